@@ -1,0 +1,28 @@
+# Set-up and entry points. Every target creates .venv when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 tests
+
+demo: $(STAMP)
+	$(BIN)/python examples/customer_service/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Environments: the Env protocol, tools, memory, termination, the hybrid verifier and anti-hacking."""
