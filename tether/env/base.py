@@ -43,4 +43,9 @@ class Env(Protocol):
         """Instructions (policy) the agent sees as its system message."""
         ...
 
+    def finalize(self, termination: str) -> tuple[float, dict[str, Any]]:
+        """Score an episode that the agent loop ended before the env said done (e.g. the assistant ran
+        out of turns or context). Returns (reward, info) with the same end-of-episode info keys."""
+        ...
+
     def close(self) -> None: ...

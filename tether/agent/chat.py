@@ -1,0 +1,97 @@
+"""Token-in/token-out assembly of a multi-turn conversation.
+
+The prompt is rendered once by the model's own chat template (tools included). After that, assistant
+tokens are appended exactly as the engine produced them (mask 1, their behaviour logprobs), and every
+non-assistant message (tool results, user replies) plus the next generation prompt is appended as the
+*suffix difference* of two template renderings (mask 0). Nothing is ever re-tokenised from text: the
+sequence the trainer sees is the one the engine generated from.
+
+The suffix is cut right after the assistant's end-of-turn token, so the separator that the template puts
+between turns (Qwen's ``\n`` after ``<|im_end|>``) is kept — verl issue #6501 is the bug of dropping it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# A placeholder conversation the deltas are cut from; its content never reaches the model.
+_ANCHOR_SYSTEM = {"role": "system", "content": "s"}
+_ANCHOR_USER = {"role": "user", "content": "u"}
+
+
+def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, *,
+               add_generation_prompt: bool) -> list[int]:
+    """Token ids of the chat template applied to ``messages``."""
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
+        return_dict=False,
+    )
+    if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in some versions
+        out = out["input_ids"]
+    return list(out)
+
+
+@dataclass
+class TokenBuffer:
+    """The growing token sequence of one trajectory: prompt, then response tokens with their mask."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def add_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"engine returned {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.response_ids += ids
+        self.response_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    def add_context_tokens(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.response_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+class ChatAssembler:
+    """Renders the initial prompt and the mask-0 suffix that follows each assistant turn."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+        self.end_of_turn_id: int = eos if eos is not None else tokenizer.eos_token_id
+        if self.end_of_turn_id is None:
+            raise ValueError("the tokenizer has neither <|im_end|> nor an eos token; cannot delimit turns")
+
+    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        return render_ids(self.tokenizer, messages, self.tools, add_generation_prompt=True)
+
+    def suffix_after_assistant(self, assistant_msg: dict[str, Any], new_messages: list[dict[str, Any]]) -> list[int]:
+        """Ids that follow the assistant's end-of-turn token: ``new_messages`` + the generation prompt.
+
+        Rendered as the difference between [anchor…, assistant] and [anchor…, assistant, *new_messages]
+        with the generation prompt, cut right after the assistant's end-of-turn token.
+        """
+        base = [_ANCHOR_SYSTEM, _ANCHOR_USER, assistant_msg]
+        base_ids = render_ids(self.tokenizer, base, self.tools, add_generation_prompt=False)
+        full_ids = render_ids(self.tokenizer, base + new_messages, self.tools, add_generation_prompt=True)
+        try:
+            cut = len(base_ids) - 1 - base_ids[::-1].index(self.end_of_turn_id)
+        except ValueError:
+            raise ValueError("the chat template does not end the assistant turn with its end-of-turn token") from None
+        if full_ids[: cut + 1] != base_ids[: cut + 1]:
+            raise ValueError("the chat template renders earlier turns differently once later messages are "
+                             "added; token-in/token-out assembly needs a prefix-stable template")
+        return full_ids[cut + 1 :]

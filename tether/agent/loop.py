@@ -1,0 +1,296 @@
+"""Agent loops: ``AgentLoopBase`` with ``@register(name)`` and the ``tool_agent`` state machine.
+
+    PENDING ──▶ GENERATING ──(tool calls / text to the user)──▶ PROCESSING_TOOLS ──▶ GENERATING …
+                    │                                               │
+                    └──────────────▶ TERMINATED ◀───────────────────┘
+
+One ``run(task, env)`` is one episode. Generation is token-in/token-out against an ``InferenceEngine``;
+tool results and user replies are appended with mask 0 (see ``chat.py``). Departures from verl's
+``ToolAgentLoop``: an assistant turn with text and no tool call is delivered to the user (as
+``respond_to_user``) when the task offers that tool, because in customer service talking to the user is
+the action; calls beyond ``max_parallel_calls`` get an error observation instead of being dropped
+silently; a turn cut by ``max_tokens`` is closed with the end-of-turn token at mask 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from tether.agent.chat import ChatAssembler, TokenBuffer
+from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
+from tether.engine.base import InferenceEngine, SamplingParams
+from tether.env.base import Action, Env
+from tether.types import Task, Trajectory
+
+USER_TOOL = "respond_to_user"
+_REGISTRY: dict[str, type["AgentLoopBase"]] = {}
+
+
+def register(name: str) -> Callable[[type["AgentLoopBase"]], type["AgentLoopBase"]]:
+    """Class decorator: make an agent loop selectable by ``agent_loop.name``."""
+
+    def deco(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"agent loop {name!r} is already registered by {_REGISTRY[name].__qualname__}")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def make_agent_loop(name: str, **kwargs: Any) -> "AgentLoopBase":
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown agent_loop.name {name!r}; registered: {sorted(_REGISTRY)}") from None
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """The agent_loop section's limits plus the context budget, in one place."""
+
+    max_user_turns: int = 3
+    max_assistant_turns: int = 5
+    max_parallel_calls: int = 2
+    tool_selection: str = "per_sample"  # "per_sample": Task.tools restricts the tools; "all": it does not
+    context_window: int = 32768  # tokens of prompt + response
+
+    @classmethod
+    def from_config(cls, agent_loop: Any, context_window: int) -> "LoopLimits":
+        return cls(agent_loop.max_user_turns, agent_loop.max_assistant_turns, agent_loop.max_parallel_calls,
+                   agent_loop.tool_selection, context_window)
+
+
+class AgentLoopBase(ABC):
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, *, sampling: SamplingParams,
+                 limits: LoopLimits = LoopLimits(), parser: str = "hermes",
+                 stop_token_ids: tuple[int, ...] = ()):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.parse = get_parser(parser)
+        vocab = len(tokenizer)
+        bad = [i for i in stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"tool_parser.stop_token_ids {bad} are outside the tokenizer's vocabulary "
+                             f"(size {vocab}); use ids of this model's tokenizer")
+        eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if
+               isinstance(i, int) and 0 <= i < vocab}
+        self.stop_ids = tuple(sorted(eos | set(stop_token_ids)))
+        self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
+
+    @abstractmethod
+    async def run(self, task: Task, env: Env, *, seed: int | None = None) -> Trajectory:
+        """Play one episode of ``task`` in ``env`` (already constructed, not yet reset)."""
+
+
+class AgentState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    TERMINATED = "terminated"
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@register("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    async def run(self, task: Task, env: Env, *, seed: int | None = None) -> Trajectory:
+        ep = _Episode(self, task, env, seed)
+        state = AgentState.PENDING
+        while state is not AgentState.TERMINATED:
+            if state is AgentState.PENDING:
+                state = ep.start()
+            elif state is AgentState.GENERATING:
+                state = await ep.generate()
+            else:
+                state = await ep.process_tools()
+        return ep.finish()
+
+
+class _Episode:
+    """Mutable state of one ToolAgentLoop run; each method is one state of the machine."""
+
+    def __init__(self, loop: ToolAgentLoop, task: Task, env: Env, seed: int | None):
+        self.loop, self.task, self.env, self.seed = loop, task, env, seed
+        self.t0 = time.perf_counter()
+        self.traj = Trajectory(task_id=task.id, prompt_ids=[])
+        self.messages: list[dict[str, Any]] = []
+        self.buf: TokenBuffer | None = None
+        self.asm: ChatAssembler | None = None
+        self.tool_names: set[str] = set()
+        self.parsed: ParsedTurn | None = None
+        self.user_turns = 0
+        self.assistant_turns = 0
+        self.env_done = False
+        self.final_info: dict[str, Any] = {}
+
+    # -- PENDING -------------------------------------------------------------------------------------
+    def start(self) -> AgentState:
+        obs = self.env.reset(task_id=self.task.id)
+        schemas = self.env.tool_schemas()
+        if self.loop.limits.tool_selection == "per_sample" and self.task.tools is not None:
+            schemas = [s for s in schemas if s["function"]["name"] in self.task.tools]
+        self.tool_names = {s["function"]["name"] for s in schemas}
+        self.asm = ChatAssembler(self.loop.tokenizer, schemas)
+        self.messages = [{"role": "system", "content": self.env.system_prompt()},
+                         {"role": "user", "content": obs.get("user_reply") or ""}]
+        self.buf = TokenBuffer(self.asm.prompt(self.messages))
+        self.traj.prompt_ids = list(self.buf.prompt_ids)
+        if len(self.buf) >= self.loop.limits.context_window:
+            return self._terminate("context_window")
+        return AgentState.GENERATING
+
+    # -- GENERATING ----------------------------------------------------------------------------------
+    async def generate(self) -> AgentState:
+        limits = self.loop.limits
+        if self.assistant_turns >= limits.max_assistant_turns:
+            return self._terminate("max_assistant_turns")
+        budget = min(self.loop.sampling.max_tokens, limits.context_window - len(self.buf))
+        if budget <= 0:
+            return self._terminate("context_window")
+        params = replace(self.loop.sampling, max_tokens=budget, seed=_turn_seed(self.seed, self.assistant_turns))
+        t = time.perf_counter()
+        out = await self.loop.engine.generate(self.buf.ids, params)
+        self.traj.metrics.generate_sequences += time.perf_counter() - t
+        self.traj.metrics.num_preempted += out.num_preempted
+        self.assistant_turns += 1
+        versions = out.versions or [self.loop.engine.version] * len(out.token_ids)
+        self.buf.add_model_tokens(list(out.token_ids), list(out.logprobs), list(versions))
+        ids = list(out.token_ids)
+        if ids and ids[-1] in self.loop.stop_ids:
+            ids = ids[:-1]
+        else:  # cut by max_tokens: close the turn so the conversation stays well-formed
+            self.buf.add_context_tokens([self.asm.end_of_turn_id])
+        text = self.loop.tokenizer.decode(ids, skip_special_tokens=False)
+        self.parsed = self.loop.parse(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": self.parsed.content}
+        if self.parsed.calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in self.parsed.calls]
+        self.messages.append(msg)
+        self.traj.errors += [f"turn {self.assistant_turns}: malformed tool call: {e.reason}"
+                             for e in self.parsed.errors]
+        if self.parsed.calls or self.parsed.errors:
+            return AgentState.PROCESSING_TOOLS
+        if self.parsed.content and USER_TOOL in self.tool_names:
+            return AgentState.PROCESSING_TOOLS
+        return self._terminate("no_action")
+
+    # -- PROCESSING_TOOLS ----------------------------------------------------------------------------
+    async def process_tools(self) -> AgentState:
+        parsed, limits = self.parsed, self.loop.limits
+        new_messages: list[dict[str, Any]] = []
+        replies: list[str] = []
+        if not parsed.calls and not parsed.errors:  # plain text: it is said to the user
+            results = await self._execute([ToolCall(USER_TOOL, {"message": parsed.content})])
+            obs = results[0]
+            if obs.get("tool_error"):
+                new_messages.append({"role": "tool", "content": obs.get("last_tool_result", "")})
+            if obs.get("user_reply"):
+                replies.append(obs["user_reply"])
+        else:
+            calls = parsed.calls[: limits.max_parallel_calls]
+            results = await self._execute(calls)
+            for call, obs in zip(calls, results):
+                new_messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": obs.get("last_tool_result", "")})
+                if obs.get("user_reply"):
+                    replies.append(obs["user_reply"])
+            for call in parsed.calls[limits.max_parallel_calls:]:
+                err = f"error: at most {limits.max_parallel_calls} tool calls per turn; '{call.name}' was not run"
+                self.traj.errors.append(err)
+                new_messages.append({"role": "tool", "tool_call_id": call.id, "content": err})
+            for e in parsed.errors:
+                new_messages.append({"role": "tool", "content": f"error: could not parse tool call: {e.reason}"})
+        new_messages += [{"role": "user", "content": r} for r in replies]
+        self.user_turns += len(replies)
+        self.messages += new_messages
+        if self.env_done:
+            return AgentState.TERMINATED
+        if self.user_turns >= limits.max_user_turns:
+            return self._terminate("max_user_turns")
+        suffix = self.asm.suffix_after_assistant({"role": "assistant", "content": "a"}, new_messages)
+        if len(self.buf) + len(suffix) >= limits.context_window:
+            return self._terminate("context_window")
+        self.buf.add_context_tokens(suffix)
+        return AgentState.GENERATING
+
+    async def _execute(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """Run the calls of one turn concurrently; every outcome becomes an observation."""
+        t = time.perf_counter()
+        actions: list[Action] = [{"name": c.name, "params": c.arguments} for c in calls]
+        outcomes = await asyncio.gather(*(self._step(a) for a in actions))
+        self.traj.metrics.tool_calls += time.perf_counter() - t
+        self.traj.num_tool_calls += sum(1 for c in calls if c.name != USER_TOOL)
+        return outcomes
+
+    async def _step(self, action: Action) -> dict[str, Any]:
+        name = action["name"]
+        if name not in self.tool_names:
+            err = f"error: tool '{name}' is not available; available: {sorted(self.tool_names)}"
+            self.traj.errors.append(err)
+            return {"last_tool_result": err, "tool_error": True}
+        if self.env_done:  # an earlier call of this turn ended the episode
+            return {"last_tool_result": "error: the episode has ended", "tool_error": True}
+        obs, reward, done, info = await self.env.astep(action)
+        if obs.get("tool_error"):
+            self.traj.errors.append(f"tool {name}: {obs.get('last_tool_result', '')}")
+        if done and not self.env_done:
+            self.env_done = True
+            self.traj.reward = float(reward)
+            self.final_info = dict(info)
+        return obs
+
+    # -- TERMINATED ----------------------------------------------------------------------------------
+    def _terminate(self, reason: str) -> AgentState:
+        if not self.env_done:
+            t = time.perf_counter()
+            reward, info = self.env.finalize(reason)
+            self.traj.metrics.compute_score += time.perf_counter() - t
+            self.traj.reward = float(reward)
+            self.final_info = dict(info)
+            self.final_info.setdefault("termination", reason)
+            self.env_done = True
+        return AgentState.TERMINATED
+
+    def finish(self) -> Trajectory:
+        tr, info = self.traj, self.final_info
+        tr.response_ids, tr.response_mask = self.buf.response_ids, self.buf.response_mask
+        tr.logprobs, tr.versions = self.buf.logprobs, self.buf.versions
+        tr.messages = self.messages
+        tr.reward_components = dict(info.get("reward_components", {}))
+        tr.hacking_flags = dict(info.get("hacking_flags", {}))
+        tr.success = bool(info.get("success", False))
+        tr.termination = str(info.get("termination", ""))
+        tr.truncated = tr.termination in {"max_turns", "max_assistant_turns", "max_user_turns", "context_window"}
+        tr.metrics.compute_score += float(info.get("compute_score_s", 0.0))
+        tr.num_user_turns, tr.num_assistant_turns = self.user_turns, self.assistant_turns
+        tr.metrics.num_turns = self.user_turns + self.assistant_turns + 1
+        tr.check()
+        return tr
+
+
+def transcript(traj: Trajectory) -> str:
+    """A readable rendering of a trajectory's conversation (for tables and debugging)."""
+    lines = []
+    for m in traj.messages:
+        body = m.get("content", "")
+        for c in m.get("tool_calls", []):
+            body += f" [call {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
+        lines.append(f"{m['role']}: {body}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Metrics are one call from anywhere: ``record_metric("reward/mean", value, reduce="mean")``.
+
+Values recorded during a trainer step are reduced when the step is flushed and written to every sink
+(``metrics.jsonl``, TensorBoard, W&B when installed and asked for). With no active recorder the call is
+a no-op, so library code can record unconditionally. Non-finite values are kept (as ``NaN``/``inf`` in
+JSON) rather than dropped: a run that goes non-finite must show it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Literal, Protocol
+
+Reduce = Literal["mean", "sum", "max", "min", "last"]
+
+
+class Sink(Protocol):
+    def write(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per flushed step, always with ``step``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        self._f.write(json.dumps({"step": step, **values}, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self._w.add_scalar(k, v, global_step=step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class WandbSink:
+    def __init__(self, project: str | None, config: dict[str, Any] | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("metrics.wandb is true but the `wandb` package is not installed; "
+                               "`pip install wandb` or set metrics.wandb: false") from None
+        self._run = wandb.init(project=project, config=config)
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsRecorder:
+    """Accumulates values between flushes; thread-safe (rollouts record from worker threads)."""
+
+    def __init__(self, sinks: list[Sink] | None = None):
+        self.sinks = list(sinks or [])
+        self._lock = threading.Lock()
+        self._values: dict[str, list[float]] = defaultdict(list)
+        self._reduce: dict[str, Reduce] = {}
+        self.history: list[dict[str, float]] = []  # every flushed row, for reports and tests
+
+    def record(self, name: str, value: float, reduce: Reduce = "mean") -> None:
+        with self._lock:
+            prev = self._reduce.setdefault(name, reduce)
+            if prev != reduce:
+                raise ValueError(f"metric {name!r} recorded with reduce={reduce!r} after reduce={prev!r}")
+            self._values[name].append(float(value))
+
+    def flush(self, step: int) -> dict[str, float]:
+        with self._lock:
+            row = {k: _reduce(v, self._reduce[k]) for k, v in self._values.items() if v}
+            self._values.clear()
+        self.history.append({"step": step, **row})
+        for s in self.sinks:
+            s.write(step, row)
+        return row
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def _reduce(values: list[float], how: Reduce) -> float:
+    if how == "mean":
+        return math.fsum(values) / len(values)
+    if how == "sum":
+        return math.fsum(values)
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return values[-1]
+
+
+_active: MetricsRecorder | None = None
+
+
+def set_recorder(recorder: MetricsRecorder | None) -> MetricsRecorder | None:
+    """Make ``recorder`` the target of ``record_metric``; returns the previous one."""
+    global _active
+    prev, _active = _active, recorder
+    return prev
+
+
+def record_metric(name: str, value: float, reduce: Reduce = "mean") -> None:
+    if _active is not None:
+        _active.record(name, value, reduce)
+
+
+@contextlib.contextmanager
+def timer(name: str, reduce: Reduce = "sum") -> Iterator[None]:
+    """Record the wall time of the block in seconds under ``name``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        record_metric(name, time.perf_counter() - t, reduce)
