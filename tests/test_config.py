@@ -1,0 +1,317 @@
+"""RunConfig: the seed files load as-is, merging and overrides, errors that say where, secrets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from tether.config import (
+    ConfigError,
+    EnvironmentConfig,
+    RunConfig,
+    Secret,
+    Section,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = Path("/work/shared/reference/seed-configs")
+SEEDS = ["agent_loop_config.yaml", "async_pipeline.yaml", "env_config.yaml",
+         "fully_async_ppo.yaml", "policy_optim.yaml", "separation_config.yaml"]
+
+
+def seed_dir(where: str) -> Path:
+    if where == "reference":
+        if not REFERENCE.is_dir():
+            pytest.skip("reference seed configs are not on this machine")
+        return REFERENCE
+    return REPO / "configs" / "seeds"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("where", ["reference", "repo"])
+@pytest.mark.parametrize("name", SEEDS)
+def test_each_seed_file_loads_as_is(where, name):
+    path = seed_dir(where) / name
+    cfg = load_config([path])
+    # every top-level key of the file is a section of the config
+    for section in yaml.safe_load(path.read_text()):
+        assert section in RunConfig.model_fields
+
+
+@pytest.mark.parametrize("where", ["reference", "repo"])
+def test_all_seeds_merged_spot_checks(where):
+    cfg = load_config([seed_dir(where) / n for n in SEEDS])
+    assert cfg.rollout.mode == "fully_async"  # the seed says "async"
+    lr = cfg.policy_optimization.optimizer.lr
+    assert lr == 1e-6 and type(lr) is float  # PyYAML reads `1e-6` as a string
+    assert cfg.trainer.trigger_parameter_sync_step == 4
+    assert cfg.trainer.class_ == "FullyAsyncTrainer"
+    assert cfg.tool_parser.name == "function_call_parser" and cfg.tool_parser.stop_token_ids == [128009]
+    assert cfg.learner.off_policy_correction.method == "double_sided_importance_sampling"
+    assert cfg.environment.action_space[1].params == ["order_id", "reason_code"]
+    assert cfg.environment.verifier.model_based[0].rubric == "response_quality"
+    assert cfg.actor_worker.strategy == "fsdp2" and cfg.resource_pool.rollout_pool.num_gpus == 8
+    assert cfg.rollouter.max_queue_size == cfg.message_queue.max_queue_size == 512
+    assert cfg.derived() == {"samples_per_step": 64, "prompts_per_step": 8, "group_size": 8,
+                             "optimizer_updates_per_step": 8, "micro_batch_size": 4, "eval_tasks": 64}
+
+
+def test_environment_defaults_equal_env_config_yaml():
+    data = yaml.safe_load((REPO / "configs/seeds/env_config.yaml").read_text())
+    assert EnvironmentConfig.model_validate(data["environment"]) == EnvironmentConfig()
+
+
+def test_defaults_are_valid_and_a_single_section_loads(tmp_path):
+    cfg = RunConfig()
+    assert cfg.rollout.mode == "sync" and cfg.policy_optimization.optimizer.lr == 1e-6
+    assert cfg.model.preset == "tiny" and cfg.llm_client.api_key is None
+    one = load_config([write(tmp_path, "one.yaml", "engine:\n  temperature: 0.5\n")])
+    assert one.engine.temperature == 0.5 and one.learner == cfg.learner
+
+
+def _models(root: type[BaseModel]) -> set[type[BaseModel]]:
+    found, todo = set(), [root]
+    while todo:
+        model = todo.pop()
+        if model in found:
+            continue
+        found.add(model)
+        for f in model.model_fields.values():
+            todo += [t for t in _types_in(f.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+    return found
+
+
+def _types_in(tp):
+    yield tp
+    for arg in getattr(tp, "__args__", ()):
+        yield from _types_in(arg)
+
+
+def test_every_model_forbids_extra_keys_and_documents_every_field():
+    models = _models(RunConfig)
+    assert len(models) >= 30
+    for model in models:
+        assert model.model_config["extra"] == "forbid", model
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no docstring"
+
+
+def test_secret_looking_string_fields_must_be_secret():
+    with pytest.raises(TypeError, match="looks like a secret"):
+        class Bad(Section):
+            auth_token: str = ""
+            """A token."""
+
+
+# ----------------------------------------------------------------------------- merging and overrides
+
+
+def test_merge_later_wins_mappings_merge_lists_replace(tmp_path):
+    a = write(tmp_path, "a.yaml", "learner:\n  batch_size: 32\n  mini_batch_size: 4\n"
+                                  "tool_parser:\n  stop_token_ids: [1, 2, 3]\n")
+    b = write(tmp_path, "b.yaml", "learner:\n  batch_size: 16\ntool_parser:\n  stop_token_ids: [9]\n")
+    cfg = load_config([a, b])
+    assert (cfg.learner.batch_size, cfg.learner.mini_batch_size) == (16, 4)
+    assert cfg.tool_parser.stop_token_ids == [9]
+
+
+def test_set_overrides_parse_yaml_values(tmp_path):
+    cfg = load_config([REPO / "configs/seeds/agent_loop_config.yaml"],
+                      ["agent_loop.max_parallel_calls=4", "tool_parser.stop_token_ids=[1,2]",
+                       "rollout.mode=async", "policy_optimization.optimizer.lr=3e-4",
+                       "metrics.wandb_project=null"])
+    assert cfg.agent_loop.max_parallel_calls == 4
+    assert cfg.tool_parser.stop_token_ids == [1, 2]
+    assert cfg.rollout.mode == "fully_async"
+    assert cfg.policy_optimization.optimizer.lr == 3e-4
+    assert cfg.metrics.wandb_project is None
+
+
+def test_numeric_string_accepted_for_float(tmp_path):
+    cfg = load_config([write(tmp_path, "lr.yaml", 'policy_optimization:\n  optimizer:\n    lr: "2e-5"\n')])
+    assert cfg.policy_optimization.optimizer.lr == 2e-5
+
+
+def test_queue_size_given_on_one_side_sets_both(tmp_path):
+    cfg = load_config([write(tmp_path, "q.yaml", "rollouter:\n  max_queue_size: 7\n")])
+    assert cfg.message_queue.max_queue_size == cfg.rollouter.max_queue_size == 7
+
+
+def test_model_path_alone_replaces_default_preset(tmp_path):
+    cfg = load_config([], ["model.path=/models/qwen"])
+    assert (cfg.model.preset, cfg.model.path) == (None, "/models/qwen")
+
+
+def test_round_trip_of_the_dump(tmp_path):
+    cfg = load_config([REPO / "configs/seeds" / n for n in SEEDS], ["environment.action_space=[]"])
+    again = load_config([write(tmp_path, "dump.yaml", cfg.to_yaml())])
+    assert again == cfg
+    assert again.llm_client.api_key == Secret("${TETHER_API_KEY}")
+
+
+def test_round_trip_with_a_literal_secret_differs_only_there(tmp_path):
+    cfg = load_config([], ["llm_client.api_key=sk-literal-0042"])
+    again = load_config([write(tmp_path, "dump.yaml", cfg.to_yaml())])
+    assert again.llm_client.api_key == Secret("***")
+    assert again.model_copy(update={"llm_client": cfg.llm_client}) == cfg
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+# (id, {file name: text}, --set overrides, substrings the message must contain)
+BAD = [
+    ("unknown_section", {"bad.yaml": "learnr:\n  batch_size: 8\n"}, [],
+     ["unknown key `learnr`", "bad.yaml", "did you mean `learner`?"]),
+    ("unknown_nested_key", {"bad.yaml": "learner:\n  batchsize: 8\n"}, [],
+     ["unknown key `learner.batchsize` in ", "bad.yaml", "did you mean `batch_size`?"]),
+    ("wrong_type", {"bad.yaml": "learner:\n  batch_size: lots\n"}, [],
+     ["`learner.batch_size` = 'lots'", "bad.yaml", "expected an integer >= 1"]),
+    ("negative_max_staleness", {"bad.yaml": "rollout:\n  scheduler:\n    max_staleness: -1\n"}, [],
+     ["`rollout.scheduler.max_staleness` = -1", "bad.yaml", "expected an integer >= 0"]),
+    ("clip_ratio_above_1", {"bad.yaml": "learner:\n  off_policy_correction:\n    clip_ratio: 1.5\n"}, [],
+     ["`learner.off_policy_correction.clip_ratio` = 1.5", "bad.yaml", "expected a number in (0, 1)"]),
+    ("bad_mode", {"bad.yaml": "rollout:\n  mode: asynchronous\n"}, [],
+     ["`rollout.mode` = 'asynchronous'", "bad.yaml", "'sync', 'one_step_off_policy' or 'fully_async'"]),
+    ("mini_batch_above_batch", {"b.yaml": "learner:\n  batch_size: 8\n",
+                                "m.yaml": "learner:\n  mini_batch_size: 16\n"}, [],
+     ["`learner.mini_batch_size` = 16 (m.yaml)", "`learner.batch_size` = 8 (b.yaml)",
+      "mini_batch_size must be <= batch_size"]),
+    ("max_rollouts_below_base",
+     {"bad.yaml": "policy_optimization:\n  rollout_allocation:\n    max_rollouts_per_prompt: 4\n"}, [],
+     ["`policy_optimization.rollout_allocation.max_rollouts_per_prompt` = 4 (", "bad.yaml",
+      "`policy_optimization.rollout_allocation.base_rollouts_per_prompt` = 8 (the defaults)",
+      "must be >= base_rollouts_per_prompt"]),
+    ("max_kl_below_target", {"bad.yaml": "policy_optimization:\n  kl_control:\n    target_kl: 0.1\n"}, [],
+     ["`policy_optimization.kl_control.max_kl` = 0.05", "`policy_optimization.kl_control.target_kl` = 0.1",
+      "bad.yaml", "max_kl must be >= target_kl"]),
+    ("bad_base_url", {"bad.yaml": "llm_client:\n  base_url: ftp://example.com\n"}, [],
+     ["`llm_client.base_url` = 'ftp://example.com'", "bad.yaml", "http:// or https://"]),
+    ("preset_and_path", {"bad.yaml": "model:\n  preset: tiny\n  path: /models/m\n"}, [],
+     ["`model.preset` = 'tiny'", "`model.path` = '/models/m'", "bad.yaml", "exactly one of preset and path"]),
+    ("negative_stop_token", {"bad.yaml": "tool_parser:\n  stop_token_ids: [128009, -1]\n"}, [],
+     ["`tool_parser.stop_token_ids[1]` = -1", "bad.yaml", "expected an integer >= 0"]),
+    ("penalty_unknown_pattern",
+     {"bad.yaml": "environment:\n  verifier:\n    anti_hacking:\n      penalty: {flattery: 0.5}\n"}, [],
+     ["unknown key `environment.verifier.anti_hacking.penalty.flattery`", "bad.yaml",
+      "'repeated_tool_calls' or 'context_stuffing'"]),
+    ("conflicting_queue_sizes", {"r.yaml": "rollouter:\n  max_queue_size: 256\n",
+                                 "q.yaml": "message_queue:\n  max_queue_size: 512\n"}, [],
+     ["`message_queue.max_queue_size` = 512 (q.yaml)", "`rollouter.max_queue_size` = 256 (r.yaml)",
+      "make them equal"]),
+    ("bad_set_path", {"ok.yaml": "learner:\n  batch_size: 8\n"}, ["learner.batchsize=4"],
+     ["unknown key `learner.batchsize` in --set", "did you mean `batch_size`?"]),
+    ("bad_set_value", {"ok.yaml": "agent_loop:\n  max_user_turns: 2\n"}, ["agent_loop.max_parallel_calls=0"],
+     ["`agent_loop.max_parallel_calls` = 0 in --set", "expected an integer >= 1"]),
+    ("set_without_equals", {"ok.yaml": "{}\n"}, ["learner.batch_size"],
+     ["--set 'learner.batch_size'", "expected key.path=value"]),
+    ("yaml_syntax_error", {"bad.yaml": "learner:\n  batch_size: [8\n"}, [],
+     ["bad.yaml:3:", "YAML syntax error"]),
+    ("top_level_list", {"bad.yaml": "# a list, not sections\n- learner\n- rollout\n"}, [],
+     ["bad.yaml:2:", "top level must be a mapping of sections", "got a list"]),
+    ("missing_file", {}, [], ["config file not found:", "nope.yaml"]),
+    ("bad_rule_check_in_list",
+     {"bad.yaml": "environment:\n  verifier:\n    rule_based:\n      - {check: tone, weight: 1}\n"}, [],
+     ["`environment.verifier.rule_based[0].check` = 'tone'", "bad.yaml",
+      "'refund_amount_correct' or 'policy_compliance'"]),
+    ("weight_out_of_range",
+     {"bad.yaml": "environment:\n  verifier:\n    model_based:\n      - {rubric: efficiency, weight: 11}\n"}, [],
+     ["`environment.verifier.model_based[0].weight` = 11", "bad.yaml", "expected a number in [0, 10]"]),
+    ("top_p_zero", {"bad.yaml": "engine:\n  top_p: 0\n"}, [],
+     ["`engine.top_p` = 0", "bad.yaml", "expected a number in (0, 1]"]),
+    ("section_not_a_mapping", {"bad.yaml": "rollout: fast\n"}, [],
+     ["`rollout` = 'fast'", "bad.yaml", "expected a mapping"]),
+    ("batch_not_multiple_of_group",
+     {"bad.yaml": "learner: {batch_size: 12, mini_batch_size: 4, gradient_accumulation_steps: 1}\n"}, [],
+     ["`learner.batch_size` = 12 (bad.yaml)", "`policy_optimization.advantage.group_size` = 8 (the defaults)",
+      "must be a multiple of"]),
+    ("lr_not_a_number", {"bad.yaml": "policy_optimization:\n  optimizer:\n    lr: fast\n"}, [],
+     ["`policy_optimization.optimizer.lr` = 'fast'", "bad.yaml", "expected a number > 0"]),
+    ("bad_trainer_class", {"bad.yaml": "trainer:\n  class: PPOTrainer\n"}, [],
+     ["`trainer.class` = 'PPOTrainer'", "bad.yaml", "'FullyAsyncTrainer' or 'Trainer'"]),
+    ("api_key_not_a_string", {"bad.yaml": "llm_client:\n  api_key: [1, 2]\n"}, [],
+     ["`llm_client.api_key`", "bad.yaml", "expected a string"]),
+]
+
+
+@pytest.mark.parametrize("name, files, overrides, expected", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_key_file_and_what_is_allowed(tmp_path, monkeypatch, name, files, overrides, expected):
+    monkeypatch.chdir(tmp_path)  # paths as a user types them, so messages show `m.yaml`
+    paths = [write(tmp_path, f, text).name for f, text in files.items()] or ["nope.yaml"]
+    with pytest.raises(ConfigError) as info:
+        load_config(paths, overrides)
+    message = str(info.value)
+    for part in expected:
+        assert part in message, f"{part!r} not in:\n{message}"
+
+
+def test_error_names_the_file_that_set_the_key_last(tmp_path):
+    a = write(tmp_path, "first.yaml", "rollout:\n  scheduler:\n    max_staleness: 2\n")
+    b = write(tmp_path, "second.yaml", "rollout:\n  scheduler:\n    max_staleness: -3\n")
+    message = str(pytest.raises(ConfigError, load_config, [a, b]).value)
+    assert "second.yaml" in message and "first.yaml" not in message
+
+
+def test_all_errors_are_reported_at_once(tmp_path):
+    path = write(tmp_path, "bad.yaml", "learner:\n  batchsize: 8\nengine:\n  top_p: 2\n")
+    message = str(pytest.raises(ConfigError, load_config, [path]).value)
+    assert message.startswith("2 errors in config:")
+    assert "learner.batchsize" in message and "engine.top_p" in message
+
+
+# ----------------------------------------------------------------------------- secrets
+
+
+def test_secret_reference_is_resolved_only_when_used(tmp_path, monkeypatch):
+    monkeypatch.delenv("TETHER_TEST_KEY", raising=False)
+    cfg = load_config([write(tmp_path, "k.yaml", 'llm_client:\n  api_key: "${TETHER_TEST_KEY}"\n')])
+    with pytest.raises(ConfigError, match=r"`llm_client.api_key` refers to environment variable TETHER_TEST_KEY"):
+        cfg.llm_client.api_key.get()
+
+    monkeypatch.setenv("TETHER_TEST_KEY", "sk-resolved-7731")
+    assert cfg.llm_client.api_key.get() == "sk-resolved-7731"
+    assert cfg.llm_client.resolved()["api_key"] == "sk-resolved-7731"
+    for shown in (cfg.to_yaml(), repr(cfg), str(cfg), str(cfg.model_dump()), cfg.model_dump_json()):
+        assert "sk-resolved-7731" not in shown
+    assert cfg.redacted_dict()["llm_client"]["api_key"] == "${TETHER_TEST_KEY}"
+
+
+def test_literal_secret_never_shown(tmp_path):
+    cfg = load_config([write(tmp_path, "k.yaml", "llm_client:\n  api_key: sk-literal-9911\n")])
+    assert cfg.llm_client.api_key.get() == "sk-literal-9911"
+    for shown in (cfg.to_yaml(), repr(cfg), str(cfg), repr(cfg.llm_client.api_key), str(cfg.model_dump())):
+        assert "sk-literal-9911" not in shown
+    assert cfg.redacted_dict()["llm_client"]["api_key"] == "***"
+
+
+def test_base_url_and_model_resolve_lazily(tmp_path, monkeypatch):
+    monkeypatch.delenv("TETHER_TEST_URL", raising=False)
+    monkeypatch.setenv("TETHER_TEST_MODEL", "qwen-7b")
+    cfg = load_config([], ["llm_client.base_url=${TETHER_TEST_URL}", "llm_client.model=${TETHER_TEST_MODEL}"])
+    with pytest.raises(ConfigError, match=r"`llm_client.base_url` refers to environment variable TETHER_TEST_URL"):
+        cfg.llm_client.resolved()
+    monkeypatch.setenv("TETHER_TEST_URL", "http://localhost:8000/v1")
+    assert cfg.llm_client.resolved() == {"base_url": "http://localhost:8000/v1", "api_key": None,
+                                         "model": "qwen-7b"}
+    monkeypatch.setenv("TETHER_TEST_URL", "localhost:8000")
+    with pytest.raises(ConfigError, match="http:// or https://"):
+        cfg.llm_client.resolved()
+
+
+def test_string_under_a_secret_looking_key_is_redacted_in_dumps():
+    from tether.config import _redact_by_name
+
+    assert _redact_by_name({"x": {"hf_token": "hf_abc", "password": "${PW}", "stop_token_ids": [1]}}) == {
+        "x": {"hf_token": "***", "password": "${PW}", "stop_token_ids": [1]}
+    }
