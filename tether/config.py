@@ -516,7 +516,7 @@ class LearnerConfig(Section):
     mini_batch_size: PosInt = 8
     """Trajectories per optimizer update; divides batch_size."""
     update_frequency: PosInt = 4
-    """Rollout batches between policy updates."""
+    """Passes (PPO epochs) over each trainer batch per trainer step; every pass reuses the behaviour logprobs as old logprobs."""
     gradient_accumulation_steps: PosInt = 2
     """Micro-batches accumulated per optimizer update; divides mini_batch_size."""
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()

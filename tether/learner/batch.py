@@ -1,0 +1,95 @@
+"""Trajectories → padded tensors for the learner, token-aligned and never re-tokenised.
+
+A trajectory's sequence is ``prompt_ids + response_ids``; rows are right-padded with the pad id. Every per-token
+tensor is indexed by the position of the token it describes: ``loss_mask[b, t]`` and ``old_logp[b, t]`` belong
+to ``input_ids[b, t]``. Prompt tokens have mask 0 and old logprob 0; response tokens carry the trajectory's own
+``response_mask`` (1 = sampled by the policy, 0 = tool/user/template token) and behaviour logprob.
+
+The model's logits at position t predict token t + 1, so the learner scores ``input_ids[:, 1:]`` with
+``logits[:, :-1]`` and uses ``loss_mask[:, 1:]`` / ``old_logp[:, 1:]`` (see ``Learner``). Position 0 is always a
+prompt token (an empty prompt is rejected): nothing can be trained on a token with no context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from tether.types import Trajectory
+
+
+@dataclass
+class TrainBatch:
+    """B trajectories as tensors; T = the longest prompt + response among them."""
+
+    input_ids: torch.Tensor  # [B, T] long, prompt + response, right-padded with the pad id
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens, 0 on padding
+    loss_mask: torch.Tensor  # [B, T] float32, 1 on model-sampled response tokens only
+    old_logp: torch.Tensor  # [B, T] float32, behaviour logprob of token t (0 where loss_mask is 0)
+    advantages: torch.Tensor  # [B] float32, one advantage per trajectory
+
+    @classmethod
+    def from_trajectories(
+        cls, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor, *, pad_id: int
+    ) -> TrainBatch:
+        """Stack ``trajectories`` (ids as recorded, no re-tokenisation) with one advantage each."""
+        adv = torch.as_tensor(advantages, dtype=torch.float32).detach().reshape(-1)  # [B]
+        if len(trajectories) == 0:
+            raise ValueError("cannot build a TrainBatch from no trajectories")
+        if adv.shape[0] != len(trajectories):
+            raise ValueError(f"{len(trajectories)} trajectories but {adv.shape[0]} advantages")
+        for traj in trajectories:
+            traj.check()
+            if not traj.prompt_ids:
+                raise ValueError(f"trajectory {traj.task_id} has an empty prompt: its first token has no context")
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+        b, length = len(trajectories), max(lengths)
+        input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((b, length), dtype=torch.long)
+        loss_mask = torch.zeros((b, length), dtype=torch.float32)
+        old_logp = torch.zeros((b, length), dtype=torch.float32)
+        for i, traj in enumerate(trajectories):
+            p, n = len(traj.prompt_ids), lengths[i]
+            input_ids[i, :n] = torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long)
+            attention_mask[i, :n] = 1
+            if n > p:
+                mask = torch.tensor(traj.response_mask, dtype=torch.float32)  # [R]
+                loss_mask[i, p:n] = mask
+                # The trajectory stores 0.0 where the mask is 0; enforce it so nothing leaks from a tool token.
+                old_logp[i, p:n] = torch.tensor(traj.logprobs, dtype=torch.float32) * mask
+        return cls(input_ids, attention_mask, loss_mask, old_logp, adv)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens, prompt included: what a forward pass processes."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Model-sampled tokens: what the loss is computed on."""
+        return int(self.loss_mask.sum())
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``start:stop``, trimmed to their own longest sequence (right padding makes that a column slice)."""
+        if not 0 <= start < stop <= len(self):
+            raise ValueError(f"rows {start}:{stop} out of range for a batch of {len(self)}")
+        length = int(self.attention_mask[start:stop].sum(dim=1).max())
+        return TrainBatch(
+            **{
+                f.name: getattr(self, f.name)[start:stop] if f.name == "advantages"
+                else getattr(self, f.name)[start:stop, :length]
+                for f in fields(self)
+            }
+        )
+
+    def split(self, n: int) -> list[TrainBatch]:
+        """``n`` consecutive equal parts, in order, each padded only to its own longest sequence."""
+        if n <= 0 or len(self) % n != 0:
+            raise ValueError(f"cannot split a batch of {len(self)} trajectories into {n} equal parts")
+        size = len(self) // n
+        return [self.slice(i * size, (i + 1) * size) for i in range(n)]
