@@ -61,3 +61,62 @@ def config(files: Files, set_: Overrides = None) -> None:
         console.print(Syntax(text, "yaml", background_color="default", word_wrap=False))
     else:  # piped: plain text that loads back as YAML
         typer.echo(text, nl=False)
+
+
+@app.command()
+def train(
+    files: Files,
+    set_: Overrides = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where the run writes (default runs/<time>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in --run-dir.")] = False,
+) -> None:
+    """Train with the merged config FILES (e.g. an example config plus seed files)."""
+    import time
+
+    from tether.pipeline.trainer import train as run_training
+
+    cfg = load_or_exit(files, set_)
+    if resume and run_dir is None:
+        raise fail("--resume needs --run-dir (the run to continue)")
+    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        result = run_training(cfg, run_dir, resume=resume)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        raise fail(str(e)) from None
+    after = result.eval_after.get("eval/success_rate")
+    typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
+
+
+@app.command(name="eval")
+def eval_(
+    checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder, e.g. RUN/checkpoints/step_N.")],
+    config_files: Annotated[list[Path], typer.Option("--config", help="Config file(s) of the run.")],
+    set_: Overrides = None,
+    tasks: Annotated[int | None, typer.Option("--tasks", help="Evaluate the first N held-out tasks.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+) -> None:
+    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task)."""
+    import asyncio
+    import json
+
+    from tether.pipeline.evaluate import evaluate
+    from tether.pipeline.progress import Progress
+    from tether.pipeline.rollouter import Rollouter
+    from tether.runtime import Runtime
+
+    cfg = load_or_exit(config_files, set_)
+    if not (checkpoint / "config.json").is_file():
+        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass RUN/checkpoints/step_N")
+    rt = Runtime.build(cfg, str(checkpoint))
+    try:
+        eval_tasks = rt.tasks("eval")[:tasks]
+        rollouter = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+        metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
+    finally:
+        rt.close()
+    if as_json:
+        typer.echo(json.dumps(metrics, indent=2))
+    else:
+        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, eval_tasks, trajs)
+        for k, v in metrics.items():
+            typer.echo(f"{k:40s} {v:.4f}")

@@ -1,0 +1,53 @@
+"""What a person watching a run sees: a rich progress bar (step, reward, success rate, samples/s) and,
+at each evaluation, a small table of sample rollouts."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+
+from tether.agent.loop import transcript
+from tether.types import Task, Trajectory
+
+
+class Progress:
+    def __init__(self, total_steps: int, start: int = 0, *, enabled: bool = True, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._bar = RichProgress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not enabled,
+        )
+        self._task = self._bar.add_task("train", total=total_steps, completed=start, stats="")
+        if enabled:
+            self._bar.start()
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(f"[dim]{text}[/dim]")
+
+    def update(self, step: int, row: dict[str, float]) -> None:
+        stats = (f"reward {row.get('reward/mean', float('nan')):.3f}  "
+                 f"success {row.get('rollout/success_rate', float('nan')):.2f}  "
+                 f"{row.get('perf/samples_per_s', float('nan')):.1f} samples/s")
+        self._bar.update(self._task, completed=step, stats=stats)
+
+    def eval_table(self, step: int, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory],
+                   rows: int = 3) -> None:
+        if not self.enabled:
+            return
+        table = Table(title=f"eval @ step {step}: success {metrics['eval/success_rate']:.2%}, "
+                            f"reward {metrics['eval/reward_mean']:.3f}", show_lines=True)
+        for col in ("task", "kind", "reward", "ok", "end", "conversation"):
+            table.add_column(col, overflow="fold")
+        for task, tr in list(zip(tasks, trajs))[:rows]:
+            convo = transcript(tr).split("\n", 1)[-1]  # drop the system prompt
+            table.add_row(task.id, task.kind, f"{tr.reward:.2f}", "✓" if tr.success else "✗", tr.termination,
+                          convo[-600:])
+        self.console.print(table)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._bar.stop()

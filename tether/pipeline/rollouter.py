@@ -1,0 +1,76 @@
+"""The Rollouter: runs agent loops concurrently against one engine and returns finished groups.
+
+Every trajectory gets its own environment instance (its own database copy) and a seed derived from
+(run seed, task id, index in group), so a rollout is reproducible whatever else runs beside it.
+``max_concurrent`` bounds how many episodes are in flight at once (``rollout.worker.max_concurrent_tasks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Callable
+
+from tether.agent.loop import AgentLoopBase
+from tether.env.base import Env
+from tether.metrics import record_metric
+from tether.types import Group, Task, Trajectory
+
+
+def episode_seed(seed: int, task_id: str, index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{task_id}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+class Rollouter:
+    def __init__(self, agent_loop: AgentLoopBase, make_env: Callable[[], Env], *, max_concurrent: int = 128):
+        self.agent_loop = agent_loop
+        self.make_env = make_env
+        self.max_concurrent = max_concurrent
+
+    async def rollout(self, task: Task, seed: int) -> Trajectory:
+        env = self.make_env()
+        try:
+            return await self.agent_loop.run(task, env, seed=seed)
+        finally:
+            env.close()
+
+    async def groups(self, tasks: list[Task], group_size: int, seed: int) -> list[Group]:
+        """``group_size`` rollouts of each task, all in flight together (bounded by max_concurrent)."""
+        sem = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(task: Task, i: int) -> Trajectory:
+            async with sem:
+                return await self.rollout(task, episode_seed(seed, task.id, i))
+
+        trajs = await asyncio.gather(*(one(t, i) for t in tasks for i in range(group_size)))
+        return [Group(t.id, list(trajs[k * group_size:(k + 1) * group_size])) for k, t in enumerate(tasks)]
+
+
+def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float) -> None:
+    """The agent/, reward/ and rollout throughput metrics of one batch of trajectories."""
+    n = len(trajs)
+    rewards = [t.reward for t in trajs]
+    mean = sum(rewards) / n
+    record_metric("reward/mean", mean)
+    record_metric("reward/std", (sum((r - mean) ** 2 for r in rewards) / max(n - 1, 1)) ** 0.5)
+    for name in sorted({c for t in trajs for c in t.reward_components}):
+        record_metric(f"reward/{name}", sum(t.reward_components.get(name, 0.0) for t in trajs) / n)
+    for pattern in sorted({p for t in trajs for p in t.hacking_flags}):
+        record_metric(f"reward/hacking/{pattern}", sum(t.hacking_flags.get(pattern, 0) for t in trajs), "sum")
+    record_metric("rollout/success_rate", sum(t.success for t in trajs) / n)
+    for field in ("generate_sequences", "tool_calls", "compute_score", "num_preempted", "num_turns"):
+        record_metric(f"agent/{field}", sum(getattr(t.metrics, field) for t in trajs) / n)
+    record_metric("agent/num_tool_calls", sum(t.num_tool_calls for t in trajs) / n)
+    record_metric("agent/errors", sum(len(t.errors) for t in trajs) / n)
+    record_metric("rollout/response_tokens", sum(t.num_model_tokens for t in trajs) / n)
+    record_metric("rollout/truncated_ratio", sum(t.truncated for t in trajs) / n)
+    record_metric("perf/rollout_time", elapsed_s, "sum")
+
+
+async def timed_groups(rollouter: Rollouter, tasks: list[Task], group_size: int, seed: int) -> list[Group]:
+    t = time.perf_counter()
+    groups = await rollouter.groups(tasks, group_size, seed)
+    record_rollout_metrics([tr for g in groups for tr in g.trajectories], time.perf_counter() - t)
+    return groups
