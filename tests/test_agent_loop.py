@@ -8,7 +8,8 @@ import pytest
 from tether.agent.chat import render_ids
 from tether.agent.loop import LoopLimits, make_agent_loop, transcript
 from tether.config import EnvironmentConfig, LatencySpec
-from tether.engine.base import GenerationResult, SamplingParams
+from tether.engine.base import SamplingParams
+from tether.engine.scripted import ScriptedEngine as _Scripted
 from tether.env.customer_service import CustomerServiceEnv, ScriptedExpert, example_texts, tasks
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.types import Task
@@ -25,27 +26,11 @@ def call(name, **args):
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
 
 
-class ScriptedEngine:
-    """Replies with the given assistant texts in order; every token gets logprob -0.5."""
+class ScriptedEngine(_Scripted):
+    """Replies with the given assistant texts in order (then "..."); every token gets logprob -0.5."""
 
     def __init__(self, tokenizer, texts, version=3):
-        self.tok, self.texts, self.version, self.prompts = tokenizer, list(texts), version, []
-
-    async def generate(self, prompt_ids, params: SamplingParams) -> GenerationResult:
-        self.prompts.append(list(prompt_ids))
-        text = self.texts.pop(0) if self.texts else "..."
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.convert_tokens_to_ids("<|im_end|>")]
-        if len(ids) > params.max_tokens:
-            ids, reason = ids[: params.max_tokens], "length"
-        else:
-            reason = "stop"
-        return GenerationResult(ids, [-0.5] * len(ids), reason, [self.version] * len(ids))
-
-    def update_weights(self, state_dict, version):
-        self.version = version
-
-    def close(self):
-        pass
+        super().__init__(tokenizer, list(texts) + ["..."] * 20, logprob=-0.5, version=version)
 
 
 def run(tokenizer, texts, task_id, *, env_cfg=None, task=None, limits=LoopLimits(), max_tokens=64):

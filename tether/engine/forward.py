@@ -1,0 +1,296 @@
+"""Model runners for the local engine: batched prefill and decode over per-slot KV caches.
+
+``LlamaFamilyRunner`` is the fast path: the Llama/Qwen2/Qwen3 decoder written out with the HF modules'
+own weights (fused q|k|v and gate|up projections, RoPE tables from the model's rotary embedding, RMSNorm,
+SiLU MLP) and ``scaled_dot_product_attention`` over a ``SlotKVCache`` with a per-slot length mask. It is
+checked against the HF forward in tests. ``HFRunner`` is the slow fallback for any other causal LM: one
+HF forward per sequence per step with its own ``DynamicCache``.
+
+Both runners keep the same contract: running sequences live in slots ``0..n-1``; ``prefill`` fills the
+given slots from scratch and returns the logits of each sequence's last token; ``decode`` appends one
+token to each of slots ``0..n-1`` and returns the next-token logits; ``swap`` exchanges two slots.
+The fast runner can also extend a slot whose cache already holds a prefix (``prefill(..., starts)``,
+``copy_prefix``), which the engine uses to reuse the KV of an earlier turn or a shared prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from tether.engine.kv_cache import SlotKVCache
+
+FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def fast_path_problem(model: torch.nn.Module) -> str | None:
+    """Why ``LlamaFamilyRunner`` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    if cfg.model_type not in FAST_MODEL_TYPES:
+        return f"model_type {cfg.model_type!r} is not one of {FAST_MODEL_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return "sliding-window layers"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "dynamic" in str(rope.get("rope_type", "default")):
+        return "dynamic RoPE scaling (position tables depend on the sequence length)"
+    if model.device.type != "cpu" and model.device.type != "cuda":
+        return f"device {model.device.type}"
+    return None
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def snapshot(cls, **tensors: torch.Tensor | None) -> _Layer:
+        return cls(**{k: None if t is None else t.detach().clone() for k, t in tensors.items()})
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                      for lin in linears])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaFamilyRunner:
+    def __init__(self, model: torch.nn.Module):
+        problem = fast_path_problem(model)
+        if problem:
+            raise ValueError(f"LlamaFamilyRunner cannot run this model: {problem}")
+        cfg = model.config
+        self.model = model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scaling = model.model.layers[0].self_attn.scaling
+        self.dtype, self.device = model.dtype, model.device
+        self.cache = SlotKVCache(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim,
+                                 cfg.max_position_embeddings, self.dtype, self.device)
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.reload()
+
+    def reload(self) -> None:
+        """Snapshot the weights of the HF modules (after they changed).
+
+        Copies, not views: the snapshot stays consistent even if someone updates the module in place
+        mid-step, and it changes only when the engine says so (so token versions are exact).
+        """
+        m = self.model.model
+        self.embed = m.embed_tokens.weight.detach().clone()
+        self.norm = m.norm.weight.detach().clone()
+        lm_head = self.model.lm_head.weight
+        self.lm_head = self.embed if lm_head is m.embed_tokens.weight else lm_head.detach().clone()
+        self.layers = []
+        for layer in m.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer.snapshot(
+                ln1=layer.input_layernorm.weight,
+                qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+                qkv_bias=_cat_bias(att.q_proj, att.k_proj, att.v_proj),
+                q_norm=att.q_norm.weight if hasattr(att, "q_norm") else None,
+                k_norm=att.k_norm.weight if hasattr(att, "k_norm") else None,
+                o=att.o_proj.weight, o_bias=att.o_proj.bias,
+                ln2=layer.post_attention_layernorm.weight,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+            ))
+
+    def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [n, head_dim] for positions < n, from the model's own rotary embedding."""
+        if self._cos.shape[0] < n:
+            size = min(self.cache.max_len, max(n, 2 * self._cos.shape[0], 256))
+            pos = torch.arange(size, device=self.device)[None]
+            dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.model.model.rotary_emb(dummy, pos)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as HF's RMSNorm: normalise in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def _qkv(self, w: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projections + RoPE. h [..., D] -> q [..., H, hd], k/v [..., KV, hd]."""
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.unflatten(-1, (nh, hd)), k.unflatten(-1, (nkv, hd)), v.unflatten(-1, (nkv, hd))
+        if w.q_norm is not None:
+            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self._norm(x, w.ln2), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x, self.norm), self.lm_head).float()
+
+    def prefill(self, seqs: list[list[int]], slots: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        """Compute ``seqs[i][starts[i]:]`` into slot ``slots[i]``, whose cache already holds the first
+        ``starts[i]`` tokens (0 by default). One right-padded batch; returns last-token logits [k, V]."""
+        if starts is None or not any(starts):
+            return self._prefill_fresh(seqs, slots)
+        return self._prefill_extend(seqs, slots, starts)
+
+    def _prefill_fresh(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
+        k, T = len(seqs), max(len(s) for s in seqs)
+        self.cache.reserve(max(slots) + 1, T)
+        ids = torch.zeros(k, T, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        slot_idx = torch.tensor(slots, device=self.device)
+        cos, sin = (t[:T] for t in self._rope(T))
+        x = F.embedding(ids, self.embed)  # [k, T, D]
+        for i, w in enumerate(self.layers):
+            q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # [k, T, heads, hd]
+            q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [k, heads, T, hd]
+            self.cache.k[i][slot_idx, :, :T] = kk
+            self.cache.v[i][slot_idx, :, :T] = v
+            # Right padding + causal mask: a real query never sees a pad key, so no padding mask.
+            a = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).flatten(2), w.o, w.o_bias)
+            x = self._mlp(w, x)
+        self.cache.lengths[slot_idx] = lens
+        return self._logits(x[torch.arange(k), lens - 1])
+
+    def _prefill_extend(self, seqs: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+        k, L = len(seqs), max(len(s) for s in seqs)
+        new = [s[st:] for s, st in zip(seqs, starts)]
+        T = max(len(n) for n in new)
+        self.cache.reserve(max(slots) + 1, L)
+        ids = torch.zeros(k, T, dtype=torch.long, device=self.device)
+        for i, n in enumerate(new):
+            ids[i, : len(n)] = torch.tensor(n)
+        new_lens = torch.tensor([len(n) for n in new], device=self.device)
+        start = torch.tensor(starts, device=self.device)
+        pos = start[:, None] + torch.arange(T, device=self.device)  # [k, T] absolute positions
+        rows, cols = (torch.arange(T, device=self.device)[None] < new_lens[:, None]).nonzero(as_tuple=True)
+        slot_idx = torch.tensor(slots, device=self.device)
+        dst_slot, dst_pos = slot_idx[rows], pos[rows, cols]  # where the real (non-pad) tokens go
+        cos, sin = self._rope(L)
+        cos, sin = cos[pos.clamp(max=L - 1)], sin[pos.clamp(max=L - 1)]  # [k, T, hd]
+        # query t of row i sees cached/new keys j <= start_i + t (pad queries see garbage; ignored)
+        mask = (torch.arange(L, device=self.device)[None, None] <= pos[:, :, None])[:, None]  # [k, 1, T, L]
+        contiguous = slots == list(range(slots[0], slots[0] + k))
+        x = F.embedding(ids, self.embed)  # [k, T, D]
+        for i, w in enumerate(self.layers):
+            q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # [k, T, heads, hd]
+            self.cache.k[i][dst_slot, :, dst_pos] = kk[rows, cols]
+            self.cache.v[i][dst_slot, :, dst_pos] = v[rows, cols]
+            if contiguous:
+                keys, values = (c[i][slots[0]: slots[0] + k, :, :L] for c in (self.cache.k, self.cache.v))
+            else:
+                keys, values = (c[i][slot_idx, :, :L] for c in (self.cache.k, self.cache.v))
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                               scale=self.scaling, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).flatten(2), w.o, w.o_bias)
+            x = self._mlp(w, x)
+        self.cache.lengths[slot_idx] = start + new_lens
+        return self._logits(x[torch.arange(k), new_lens - 1])
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """Append ``tokens[i]`` to slot i for i < n; returns next-token logits [n, V]."""
+        n, cache = len(tokens), self.cache
+        pos = cache.lengths[:n]  # [n] where each new token goes
+        L = int(pos.max()) + 1
+        cache.reserve(n, L)
+        pos = cache.lengths[:n]
+        cos, sin = self._rope(L)
+        cos, sin = cos[pos], sin[pos]  # [n, hd]
+        keep = torch.arange(L, device=self.device)[None] <= pos[:, None]  # [n, L]
+        mask = torch.zeros(n, 1, 1, L, dtype=self.dtype, device=self.device)  # additive: a bit faster
+        mask.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        rows = torch.arange(n, device=self.device)
+        rep = self.num_heads // self.num_kv_heads
+        x = F.embedding(torch.tensor(tokens, device=self.device), self.embed)  # [n, D]
+        for i, w in enumerate(self.layers):
+            q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # q [n, H, hd], k/v [n, KV, hd]
+            cache.k[i][rows, :, pos] = kk
+            cache.v[i][rows, :, pos] = v
+            # Grouped-query attention without repeating the cache: the query heads of one KV head
+            # become that head's query "positions".
+            q = q.view(n, self.num_kv_heads, rep, self.head_dim)
+            a = F.scaled_dot_product_attention(q, cache.k[i][:n, :, :L], cache.v[i][:n, :, :L],
+                                               attn_mask=mask, scale=self.scaling)
+            x = x + F.linear(a.reshape(n, -1), w.o, w.o_bias)
+            x = self._mlp(w, x)
+        cache.lengths[:n] += 1
+        return self._logits(x)
+
+    def swap(self, a: list[int], b: list[int]) -> None:
+        self.cache.swap(a, b)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.cache.copy_prefix(src, dst, n)
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep only the first ``n`` cached tokens of ``slot``."""
+        self.cache.reserve(slot + 1, n)
+        self.cache.lengths[slot] = n
+
+
+class HFRunner:
+    """Fallback for any causal LM: per-sequence HF forwards with a DynamicCache each (slow, exact).
+    No prefix reuse: ``prefill`` always starts from an empty cache."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.caches: list[DynamicCache | None] = []
+
+    def reload(self) -> None:
+        pass  # reads the live modules
+
+    def _forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.model.device)
+        return self.model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1].float()
+
+    def prefill(self, seqs: list[list[int]], slots: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        assert not starts or not any(starts), "HFRunner has no prefix reuse"
+        self.caches.extend([None] * (max(slots) + 1 - len(self.caches)))
+        out = []
+        for seq, slot in zip(seqs, slots):
+            self.caches[slot] = DynamicCache(config=self.model.config)
+            out.append(self._forward(seq, self.caches[slot]))
+        return torch.stack(out)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        return torch.stack([self._forward([t], self.caches[i]) for i, t in enumerate(tokens)])
+
+    def truncate(self, slot: int, n: int) -> None:
+        assert n == 0, "HFRunner has no prefix reuse"
+        self.caches.extend([None] * (slot + 1 - len(self.caches)))
+        self.caches[slot] = None
+
+    def swap(self, a: list[int], b: list[int]) -> None:
+        self.caches.extend([None] * (max(a + b, default=-1) + 1 - len(self.caches)))
+        for i, j in zip(a, b):
+            self.caches[i], self.caches[j] = self.caches[j], self.caches[i]

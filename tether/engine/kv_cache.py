@@ -1,0 +1,74 @@
+"""A slot-based KV cache: one preallocated tensor per layer, one slot per running sequence.
+
+Running sequences occupy slots ``0..n-1`` with no holes, so a decode step attends over the plain view
+``k[:n, :, :L]`` (no gather). When a sequence finishes, it swaps slots with one from the tail (the
+finished one's cache can then stay parked beyond ``n`` for reuse by a later prompt that extends it).
+Capacity grows by reallocation, so memory follows the workload instead of ``max_position_embeddings``;
+each growth copies the whole cache and page-faults the new one in, hence geometric steps. Memory is
+slots x capacity x layers x 2 x kv_heads x head_dim x dtype size (4 KB per token-slot for the tiny model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
+        self.k: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.v: list[torch.Tensor] = []
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [slots] tokens cached per slot
+        self._alloc(0, 0)
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def _alloc(self, slots: int, length: int) -> None:
+        old_k, old_v, old_len = self.k, self.v, self.lengths
+        shape = (slots, self.num_kv_heads, length, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=self.device)
+        if old_k and old_k[0].numel():
+            s, n = old_len.shape[0], old_k[0].shape[2]
+            for new, old in zip(self.k + self.v, old_k + old_v):
+                new[:s, :, :n] = old
+            self.lengths[:s] = old_len
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Make room for ``slots`` sequences of up to ``length`` tokens each."""
+        if length > self.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds the model's {self.max_len} positions")
+        if slots <= self.num_slots and length <= self.capacity:
+            return
+        new_slots = self.num_slots if slots <= self.num_slots else max(slots, 2 * self.num_slots, 8)
+        new_len = self.capacity
+        if length > new_len:  # x1.5 in multiples of 64: fewer regrowths, less waste than doubling
+            new_len = min(self.max_len, -(-max(length, new_len * 3 // 2, 64) // 64) * 64)
+        self._alloc(new_slots, new_len)
+
+    def swap(self, a: list[int], b: list[int]) -> None:
+        """Exchange the contents of slots ``a[i]`` and ``b[i]`` (all distinct)."""
+        if not a:
+            return
+        self.reserve(max(a + b) + 1, 0)
+        n = int(self.lengths[a + b].max())
+        ab, ba = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
+        for t in self.k + self.v:
+            t[ab, :, :n] = t[ba, :, :n]  # the right side is gathered (copied) before the write
+        self.lengths[ab] = self.lengths[ba]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make slot ``dst`` hold the first ``n`` cached tokens of slot ``src``."""
+        self.reserve(dst + 1, n)
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n

@@ -1,0 +1,218 @@
+"""Find the cached sequence that shares the longest prefix with a new prompt.
+
+Agentic rollouts re-send the whole conversation every turn, and conversations (and the samples of one
+GRPO group) share their system prompt and tool list. The engine keeps the KV cache of finished turns
+("parked") and of running requests' prompts, and this index finds the best one to start from, so only
+the new suffix is prefilled (the idea of vLLM's automatic prefix caching, without paging).
+
+Sequences are indexed by chained hashes of 16-token blocks (like vLLM's block hashes): walking a new
+prompt's blocks narrows the candidates, and the last partial block is compared token by token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BLOCK = 16
+
+
+def _block_hashes(tokens: list[int]) -> list[int]:
+    hashes, h = [], 0
+    for j in range(len(tokens) // BLOCK):
+        h = hash((h, tuple(tokens[j * BLOCK:(j + 1) * BLOCK])))
+        hashes.append(h)
+    return hashes
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._table: dict[int, dict[Any, None]] = {}  # block-chain hash -> entries (ordered set)
+        self._entries: dict[Any, tuple[list[int], list[int]]] = {}  # entry -> (tokens, hashes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, entry: Any) -> bool:
+        return entry in self._entries
+
+    def add(self, entry: Any, tokens: list[int]) -> None:
+        """Index ``entry`` as holding the KV cache of ``tokens`` (at least)."""
+        self.remove(entry)
+        hashes = _block_hashes(tokens)
+        self._entries[entry] = (tokens, hashes)
+        for h in hashes:
+            self._table.setdefault(h, {})[entry] = None
+
+    def remove(self, entry: Any) -> None:
+        if entry not in self._entries:
+            return
+        _, hashes = self._entries.pop(entry)
+        for h in hashes:
+            bucket = self._table[h]
+            del bucket[entry]
+            if not bucket:
+                del self._table[h]
+
+    def tokens(self, entry: Any) -> list[int]:
+        return self._entries[entry][0]
+
+    def best(self, prompt: list[int], prefer: type | None = None) -> tuple[Any, int]:
+        """(entry, length of the common prefix) maximising that length; (None, 0) below one block.
+
+        Among equal lengths, an entry of type ``prefer`` wins (the engine prefers parked caches it can
+        take over without a copy).
+        """
+        candidates, h, base = None, 0, 0
+        for j in range(len(prompt) // BLOCK):
+            h = hash((h, tuple(prompt[j * BLOCK:(j + 1) * BLOCK])))
+            bucket = self._table.get(h)
+            if not bucket:
+                break
+            candidates, base = bucket, (j + 1) * BLOCK
+        if not candidates:
+            return None, 0
+        best, best_len = None, -1
+        for entry in candidates:
+            tokens = self._entries[entry][0]
+            n, end = base, min(len(tokens), len(prompt))
+            while n < end and tokens[n] == prompt[n]:
+                n += 1
+            if n > best_len or (n == best_len and prefer is not None and isinstance(entry, prefer)):
+                best, best_len = entry, n
+        if self._entries[best][0][:base] != prompt[:base]:  # a hash collision: play safe
+            return None, 0
+        return best, best_len
+
+
+class _Parked:
+    """The KV cache of a finished request (prompt + all but its last token), kept for reuse."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+
+class SlotTable:
+    """Who owns which KV-cache slot: running requests in ``0..n-1``, parked caches and free slots after.
+
+    ``lookup`` + ``place`` put a new request into slot ``n``, starting from the best cached prefix:
+    a parked cache that the prompt fully extends is taken over (swapped into place, no copy); any other
+    shared prefix (a running request's prompt, part of a parked cache) is copied. ``retire`` removes
+    finished requests, parks their caches and closes the holes by swapping in requests from the tail.
+    Parked caches are evicted least-recently-used beyond ``max_parked``.
+    """
+
+    def __init__(self, runner: Any, max_parked: int, reuse: bool = True):
+        self.runner, self.reuse = runner, reuse
+        self.max_parked = max_parked if reuse else 0
+        self.running: list[Any] = []
+        self._owner: list[Any] = []  # slot -> running request, _Parked, or None (free)
+        self._slot: dict[Any, int] = {}
+        self._parked: dict[_Parked, None] = {}  # insertion order = LRU order
+        self._index = PrefixIndex()
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def lookup(self, prompt: list[int]) -> tuple[Any, int]:
+        """Best cached prefix for ``prompt``: (entry, tokens reusable), leaving >= 1 token to compute."""
+        entry, n = self._index.best(prompt, prefer=_Parked) if len(self._index) else (None, 0)
+        return entry, min(n, len(prompt) - 1)
+
+    def place(self, req: Any, entry: Any, n: int) -> int:
+        """Put ``req`` into slot ``len(running)`` with its first ``n`` prompt tokens taken from
+        ``entry`` (from ``lookup``); returns ``n``, the tokens already cached."""
+        t = len(self.running)
+        self._grow(t + 1)
+        if isinstance(entry, _Parked) and n >= len(entry.tokens) - 1 and n > 0:  # take it over
+            s = self._slot[entry]
+            self._forget(entry)
+            if s != t:
+                self._swap(s, t)
+            self.runner.truncate(t, n)
+        else:
+            self._vacate(t)
+            if entry is not None and n > 0:
+                self.runner.copy_prefix(self._slot[entry], t, n)
+                if isinstance(entry, _Parked):  # recently useful: evict it last
+                    self._parked.pop(entry)
+                    self._parked[entry] = None
+            else:
+                self.runner.truncate(t, 0)
+                n = 0
+        self._owner[t], self._slot[req] = req, t
+        self.running.append(req)
+        return n
+
+    def index(self, req: Any) -> None:
+        """Offer a running request's prompt (its KV is computed now) as a prefix for later requests."""
+        if self.reuse:
+            self._index.add(req, req.prompt)
+
+    def retire(self, done: list[bool], park: list[bool]) -> None:
+        """Remove the requests with ``done[i]`` (parking those with ``park[i]``) and compact."""
+        running = self.running
+        for i, req in enumerate(running):
+            if done[i]:
+                self._forget(req)
+                if park[i] and self.max_parked > 0:
+                    p = _Parked(req.prompt + req.tokens[:-1])  # the last token was never fed back
+                    self._owner[i], self._slot[p], self._parked[p] = p, i, None
+                    self._index.add(p, p.tokens)
+        n = len(running) - sum(done)
+        holes = [i for i in range(n) if done[i]]
+        movers = [i for i in range(n, len(running)) if not done[i]]
+        self.runner.swap(holes, movers)
+        for a, b in zip(holes, movers):
+            self._relabel(a, b)
+        self.running = [self._owner[i] for i in range(n)]
+        while len(self._parked) > self.max_parked:
+            self._forget(next(iter(self._parked)))
+
+    def drop_prefixes(self, running_too: bool) -> None:
+        """After a weight change: forget the parked caches, and stop offering the running requests'
+        prompts as prefixes unless their caches are recomputed."""
+        for p in list(self._parked):
+            self._forget(p)
+        if running_too:
+            for req in self.running:
+                self._index.remove(req)
+
+    def clear(self) -> None:
+        for entry in list(self._slot):
+            self._forget(entry)
+        self.running = []
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _grow(self, n: int) -> None:
+        self._owner.extend([None] * (n - len(self._owner)))
+
+    def _forget(self, entry: Any) -> None:
+        """Drop ``entry``'s bookkeeping; its slot becomes free."""
+        self._index.remove(entry)
+        self._parked.pop(entry, None)
+        slot = self._slot.pop(entry, None)
+        if slot is not None and self._owner[slot] is entry:
+            self._owner[slot] = None
+
+    def _swap(self, a: int, b: int) -> None:
+        self.runner.swap([a], [b])
+        self._relabel(a, b)
+
+    def _relabel(self, a: int, b: int) -> None:
+        """Slots a and b exchanged their contents: follow with the bookkeeping."""
+        self._owner[a], self._owner[b] = self._owner[b], self._owner[a]
+        for s in (a, b):
+            if self._owner[s] is not None:
+                self._slot[self._owner[s]] = s
+
+    def _vacate(self, t: int) -> None:
+        """Move a parked cache out of slot ``t`` into a free slot."""
+        if self._owner[t] is None:
+            return
+        free = next((s for s in range(t + 1, len(self._owner)) if self._owner[s] is None), len(self._owner))
+        self._grow(free + 1)
+        self._swap(t, free)

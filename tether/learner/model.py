@@ -1,0 +1,92 @@
+"""Load any Hugging Face causal LM, or build the embedded ``tiny`` one.
+
+``tiny`` is a randomly initialised Qwen2-architecture model with a BPE tokenizer trained on the given
+corpus plus a built-in one, and a tool-capable ChatML template (see ``tiny.py``). It is saved in plain HF
+format, so everything downstream runs the same code path as for a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from tether.learner.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, builtin_corpus, train_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Qwen2Config fields of the tiny preset; any of them can be overridden through build_tiny(**overrides).
+TINY_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
+)
+TINY_VOCAB_SIZE = 2048  # BPE target; the model's vocab is the tokenizer's actual size
+_BUILD_VERSION = 2  # bump when the built-in corpus or build_tiny's code changes (invalidates ensure_tiny)
+
+
+def load_model_and_tokenizer(path: str | os.PathLike, dtype: str = "float32") -> tuple[Any, Any]:
+    """A causal LM and its tokenizer (with its chat template) from a local HF folder, in eval mode."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = str(path)
+    if not Path(path, "config.json").is_file():
+        raise FileNotFoundError(f"{path!r} is not a Hugging Face model folder (no config.json in it)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def build_tiny(path: str | os.PathLike, corpus: Iterable[str] = (), seed: int = 0, **overrides: Any) -> str:
+    """Build the tiny preset into ``path`` (model, tokenizer, generation config); returns ``path``.
+
+    ``overrides`` are Qwen2Config fields (``num_hidden_layers=2``, ...) plus ``vocab_size``, which sets
+    the BPE target size. Deterministic in (corpus, seed, overrides).
+    """
+    overrides = dict(overrides)
+    vocab_target = int(overrides.pop("vocab_size", TINY_VOCAB_SIZE))
+    tokenizer = train_tokenizer([*builtin_corpus(), *corpus], vocab_size=vocab_target)
+    eos, pad = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+    config = Qwen2Config(**{**TINY_DEFAULTS, **overrides}, vocab_size=len(tokenizer),
+                         bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    tokenizer.model_max_length = config.max_position_embeddings
+    path = str(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_tiny(cache_dir: str | os.PathLike, corpus: Iterable[str] = (), seed: int = 0, **overrides: Any) -> str:
+    """``build_tiny`` once per distinct input into ``cache_dir/tiny-<hash>`` and reuse it afterwards.
+
+    Safe across concurrent processes: each builds into a temporary folder and renames it into place.
+    """
+    corpus = list(corpus)
+    key = json.dumps([_BUILD_VERSION, CHAT_TEMPLATE, TINY_DEFAULTS, TINY_VOCAB_SIZE, seed, corpus,
+                      sorted(overrides.items())], sort_keys=True, default=str)
+    target = Path(cache_dir, "tiny-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".building-", dir=target.parent)
+    try:
+        build_tiny(tmp, corpus, seed, **overrides)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
