@@ -1,4 +1,5 @@
-"""Inference engines: the local in-process torch engine and (later) an OpenAI-compatible remote one."""
+"""Inference engines: ``LocalEngine`` (in-process torch, continuous batching) and ``ScriptedEngine``
+(replays given texts). An OpenAI-compatible remote engine arrives with the LLM-client issue."""
 
 from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
 
