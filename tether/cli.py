@@ -32,6 +32,9 @@ Overrides = Annotated[
 @app.callback()
 def main() -> None:
     """tether: train, evaluate and verify tool-using agents."""  # keeps `tether CMD` form with one command
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would drown the training progress
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
