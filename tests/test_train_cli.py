@@ -61,7 +61,8 @@ def test_train_writes_the_run_directory_and_changes_parameters(setup, monkeypatc
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert "eval/success_rate" in metrics[0] and "eval/success_rate" in metrics[-1]
     for name in ("reward/mean", "optim/loss", "optim/grad_norm", "optim/kl_divergence", "optim/advantage_std",
-                 "agent/num_turns", "perf/samples_per_s", "rollout/current_param_version"):
+                 "agent/num_turns", "perf/samples_per_s", "rollout/current_param_version",
+                 "reward/hacking/repeated_tool_calls", "reward/hacking/context_stuffing"):
         assert all(name in m for m in metrics[1:]), name
     assert metrics[-1]["rollout/current_param_version"] == 3
     before, after = params(model), params(run / "checkpoints" / "step_3")

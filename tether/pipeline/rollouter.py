@@ -48,8 +48,9 @@ class Rollouter:
         return [Group(t.id, list(trajs[k * group_size:(k + 1) * group_size])) for k, t in enumerate(tasks)]
 
 
-def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float) -> None:
-    """The agent/, reward/ and rollout throughput metrics of one batch of trajectories."""
+def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float, hacking_patterns: tuple[str, ...] = ()) -> None:
+    """The agent/, reward/ and rollout throughput metrics of one batch of trajectories. Every pattern in
+    ``hacking_patterns`` is recorded (0 when not seen), so a clean run shows zeros rather than nothing."""
     n = len(trajs)
     rewards = [t.reward for t in trajs]
     mean = sum(rewards) / n
@@ -57,7 +58,7 @@ def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float) -> None:
     record_metric("reward/std", (sum((r - mean) ** 2 for r in rewards) / max(n - 1, 1)) ** 0.5)
     for name in sorted({c for t in trajs for c in t.reward_components}):
         record_metric(f"reward/{name}", sum(t.reward_components.get(name, 0.0) for t in trajs) / n)
-    for pattern in sorted({p for t in trajs for p in t.hacking_flags}):
+    for pattern in sorted(set(hacking_patterns) | {p for t in trajs for p in t.hacking_flags}):
         record_metric(f"reward/hacking/{pattern}", sum(t.hacking_flags.get(pattern, 0) for t in trajs), "sum")
     record_metric("rollout/success_rate", sum(t.success for t in trajs) / n)
     for field in ("generate_sequences", "tool_calls", "compute_score", "num_preempted", "num_turns"):
@@ -69,8 +70,9 @@ def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float) -> None:
     record_metric("perf/rollout_time", elapsed_s, "sum")
 
 
-async def timed_groups(rollouter: Rollouter, tasks: list[Task], group_size: int, seed: int) -> list[Group]:
+async def timed_groups(rollouter: Rollouter, tasks: list[Task], group_size: int, seed: int,
+                       hacking_patterns: tuple[str, ...] = ()) -> list[Group]:
     t = time.perf_counter()
     groups = await rollouter.groups(tasks, group_size, seed)
-    record_rollout_metrics([tr for g in groups for tr in g.trajectories], time.perf_counter() - t)
+    record_rollout_metrics([tr for g in groups for tr in g.trajectories], time.perf_counter() - t, hacking_patterns)
     return groups

@@ -89,6 +89,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     derived = cfg.derived()
     sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
     eval_tasks = rt.tasks("eval")[: cfg.trainer.eval_tasks or None]
+    anti = cfg.environment.verifier.anti_hacking
+    hacking_patterns = anti.detect_patterns if anti.enabled else []
     rollouter = Rollouter(rt.loop(), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
     evaluator = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
 
@@ -126,7 +128,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             tasks = sampler.batch(step)
-            groups = asyncio.run(timed_groups(rollouter, tasks, group_size, seed=cfg.trainer.seed * 100_003 + step))
+            groups = asyncio.run(timed_groups(rollouter, tasks, group_size, seed=cfg.trainer.seed * 100_003 + step,
+                                              hacking_patterns=tuple(hacking_patterns)))
             trajs, adv = _advantages(cfg, groups)
             learner.train_step(trajs, adv)  # records the optim/* metrics itself
             rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
