@@ -310,7 +310,7 @@ def test_base_url_and_model_resolve_lazily(tmp_path, monkeypatch):
 
 
 def test_string_under_a_secret_looking_key_is_redacted_in_dumps():
-    from tether.config import _redact_by_name
+    from tether.config.run import _redact_by_name
 
     assert _redact_by_name({"x": {"hf_token": "hf_abc", "password": "${PW}", "stop_token_ids": [1]}}) == {
         "x": {"hf_token": "***", "password": "${PW}", "stop_token_ids": [1]}

@@ -79,7 +79,7 @@ def environment_config(config: Any = None) -> EnvironmentConfig:
     if isinstance(config, RunConfig):
         return config.environment
     if isinstance(config, (str, Path)):
-        from tether.config_io import load_config
+        from tether.config import load_config
 
         return load_config(config).environment
     if isinstance(config, Mapping):

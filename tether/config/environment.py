@@ -1,0 +1,177 @@
+"""The ``environment`` section: tools (action space), state, termination, the hybrid verifier."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import core_schema
+
+from tether.config.base import *  # noqa: F401,F403 — the shared types
+from tether.config.base import NonNegInt, PosInt, Section, Weight, _check  # noqa: F401
+
+# ----------------------------------------------------------------------------- environment
+
+HackPattern = Literal["repeated_tool_calls", "context_stuffing"]
+ObservationField = Literal["last_tool_result", "user_intent", "order_status", "inventory_snapshot"]
+
+
+class LatencySpec(Section):
+    """Simulated tool latency: lognormal around ``median``, capped at ``max``."""
+
+    median: NonNegFloat
+    """Median latency, ms."""
+    sigma: NonNegFloat = 0.0
+    """Lognormal spread (sigma of log-latency); 0 = always the median."""
+    max: NonNegFloat | None = None
+    """Cap on one call's latency, ms; None = no cap."""
+
+    @model_validator(mode="after")
+    def _max_above_median(self) -> LatencySpec:
+        if self.max is not None:
+            _check(self.max >= self.median, "max must be >= median", max=self.max, median=self.median)
+        return self
+
+
+class ToolSpec(Section):
+    """One tool of the action space; must match the real deployment."""
+
+    name: str
+    """Tool name the model calls."""
+    params: list[str] = []
+    """Parameter names the tool takes."""
+    timeout_ms: PosInt
+    """A call still running after this many ms fails with a timeout observation."""
+    latency_ms: LatencySpec | None = None
+    """Simulated latency of the reference environment; None = instant."""
+
+
+def _default_tools() -> list[ToolSpec]:
+    return [
+        ToolSpec(name="query_inventory", params=["sku_id"], timeout_ms=3000),
+        ToolSpec(name="check_refund_policy", params=["order_id", "reason_code"], timeout_ms=2000),
+        ToolSpec(name="escalate_to_human", params=["summary", "priority"], timeout_ms=500),
+        ToolSpec(name="respond_to_user", params=["message"], timeout_ms=100),
+    ]
+
+
+class MemoryConfig(Section):
+    """How the conversation history is kept within the context window."""
+
+    type: Literal["keep_recent_k"] = "keep_recent_k"
+    """Memory policy: keep the most recent ``k`` turns verbatim."""
+    k: PosInt = 5
+    """Number of recent turns kept verbatim."""
+    summary_enabled: bool = True
+    """Replace older turns by a summary instead of dropping them."""
+
+
+class StateConfig(Section):
+    """Episode state: trajectory history + tool results + memory summary."""
+
+    max_turns: PosInt = 20
+    """Maximum turns of one episode."""
+    context_window: PosInt = 32768
+    """Maximum tokens of prompt + response."""
+    memory: MemoryConfig = MemoryConfig()
+    """History handling."""
+    observation_fields: list[ObservationField] = [
+        "last_tool_result",
+        "user_intent",
+        "order_status",
+        "inventory_snapshot",
+    ]
+    """Fields included in each observation."""
+
+
+class TerminationConfig(Section):
+    """When an episode ends."""
+
+    success_criteria: Literal["user_issue_resolved"] = "user_issue_resolved"
+    """What counts as success."""
+    max_turns_exceeded: Literal["truncate", "fail"] = "truncate"
+    """At ``max_turns``: truncate (score what was done) or fail (reward 0)."""
+    tool_error_threshold: PosInt = 3
+    """End the episode after this many tool errors."""
+
+
+class RuleCheck(Section):
+    """A rule-based reward component."""
+
+    check: Literal["refund_amount_correct", "policy_compliance"]
+    """Which rule."""
+    weight: Weight
+    """Weight of this component in the reward."""
+
+
+class RubricCheck(Section):
+    """A rubric-scored reward component."""
+
+    rubric: Literal["response_quality", "efficiency"]
+    """Which rubric."""
+    weight: Weight
+    """Weight of this component in the reward."""
+
+
+class AntiHackingConfig(Section):
+    """Reward-hacking detection: flagged patterns are penalised and logged as ``reward/hacking/*``."""
+
+    enabled: bool = True
+    """Detect and penalise hacking patterns."""
+    detect_patterns: list[HackPattern] = ["repeated_tool_calls", "context_stuffing"]
+    """Patterns to detect."""
+    penalty: dict[HackPattern, NonNegFloat] = {"repeated_tool_calls": 0.1, "context_stuffing": 0.1}
+    """Reward subtracted per detected pattern."""
+    repeat_window: PosInt = 4
+    """Turns looked back when detecting repeated identical tool calls."""
+    judge: Literal["deterministic"] = "deterministic"
+    """Who scores rubrics: a deterministic scorer (no judge model is called)."""
+
+
+class VerifierConfig(Section):
+    """The reward function: weighted rule checks and rubrics."""
+
+    type: Literal["hybrid", "rule", "model"] = "hybrid"
+    """Which components count: rules, rubrics or both."""
+    rule_based: list[RuleCheck] = [
+        RuleCheck(check="refund_amount_correct", weight=0.4),
+        RuleCheck(check="policy_compliance", weight=0.3),
+    ]
+    """Rule-based components."""
+    model_based: list[RubricCheck] = [
+        RubricCheck(rubric="response_quality", weight=0.2),
+        RubricCheck(rubric="efficiency", weight=0.1),
+    ]
+    """Rubric-based components."""
+    anti_hacking: AntiHackingConfig = AntiHackingConfig()
+    """Reward-hacking detection."""
+
+
+class EnvironmentConfig(Section):
+    """The environment the agent acts in (defaults: the seed's customer-service agent)."""
+
+    name: str = "customer_service_agent"
+    """Registered environment name."""
+    type: Literal["gym_like"] = "gym_like"
+    """Interface: reset/step."""
+    action_space: list[ToolSpec] = Field(default_factory=_default_tools)
+    """The tools the agent may call."""
+    state: StateConfig = StateConfig()
+    """Episode state and memory."""
+    termination: TerminationConfig = TerminationConfig()
+    """When an episode ends."""
+    verifier: VerifierConfig = VerifierConfig()
+    """The reward function."""
+    seed: int = 0
+    """Seed of task generation and simulated users."""
+    num_train_tasks: PosInt = 256
+    """Number of generated training tasks."""
+    num_eval_tasks: PosInt = 64
+    """Number of generated held-out tasks."""
+
+

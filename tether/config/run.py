@@ -1,0 +1,140 @@
+"""``RunConfig``: the whole run, and ``load_config``."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import core_schema
+
+from tether.config.base import *  # noqa: F401,F403
+from tether.config.base import _SECRET_NAME, _check  # noqa: F401
+from tether.config.environment import *  # noqa: F401,F403
+from tether.config.sections import *  # noqa: F401,F403
+
+# ----------------------------------------------------------------------------- the run
+
+
+class RunConfig(Section):
+    """A whole run: every section has defaults, so ``RunConfig()`` is valid."""
+
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """The environment."""
+    agent_loop: AgentLoopConfig = AgentLoopConfig()
+    """The agent loop."""
+    tool_parser: ToolParserConfig = ToolParserConfig()
+    """Tool-call parsing."""
+    llm_client: LLMClientConfig = LLMClientConfig()
+    """OpenAI-compatible endpoint."""
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    engine: EngineConfig = EngineConfig()
+    """The rollout engine."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout mode and workers."""
+    buffer: BufferConfig = BufferConfig()
+    """Sample buffer."""
+    learner: LearnerConfig = LearnerConfig()
+    """Update batching and off-policy correction."""
+    policy_optimization: PolicyOptimConfig = PolicyOptimConfig()
+    """Objective, exploration, advantages, KL, optimizer."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer and run length."""
+    rollouter: RollouterConfig = RollouterConfig()
+    """Rollouter."""
+    message_queue: MessageQueueConfig = MessageQueueConfig()
+    """Rollouter → trainer queue."""
+    resource_pool: ResourcePoolConfig = ResourcePoolConfig()
+    """Resource pools (ray)."""
+    actor_worker: ActorWorkerConfig = ActorWorkerConfig()
+    """Actor worker."""
+    backend: Literal["local", "ray"] = "local"
+    """One process (asyncio + threads), or Ray actors."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Metric sinks."""
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RunConfig:
+        rq, mq = self.rollouter, self.message_queue
+        rq_set, mq_set = "max_queue_size" in rq.model_fields_set, "max_queue_size" in mq.model_fields_set
+        if rq_set and mq_set:
+            _check(
+                rq.max_queue_size == mq.max_queue_size,
+                "message_queue.max_queue_size and rollouter.max_queue_size name one queue: make them equal",
+                **{"message_queue.max_queue_size": mq.max_queue_size,
+                   "rollouter.max_queue_size": rq.max_queue_size},
+            )
+        elif rq_set or mq_set:  # one queue: the size given on either side sets both
+            rq.max_queue_size = mq.max_queue_size = (rq if rq_set else mq).max_queue_size
+        b, g = self.learner.batch_size, self.policy_optimization.advantage.group_size
+        _check(
+            b % g == 0,
+            "learner.batch_size must be a multiple of policy_optimization.advantage.group_size "
+            "(a group is trained as a unit)",
+            **{"learner.batch_size": b, "policy_optimization.advantage.group_size": g},
+        )
+        _name_secrets(self, "")
+        return self
+
+    def derived(self) -> dict[str, int]:
+        """Totals computed from the config (printed at start; never computed in shell)."""
+        b, m = self.learner.batch_size, self.learner.mini_batch_size
+        g = self.policy_optimization.advantage.group_size
+        return {
+            "samples_per_step": b,
+            "prompts_per_step": b // g,
+            "group_size": g,
+            "optimizer_updates_per_step": b // m,
+            "micro_batch_size": m // self.learner.gradient_accumulation_steps,
+            "eval_tasks": self.trainer.eval_tasks or self.environment.num_eval_tasks,
+        }
+
+    def redacted_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-ready, keys as in the files); secrets as ``***`` or ``${VAR}``."""
+        return _redact_by_name(self.model_dump(mode="json", by_alias=True))
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML that loads back to an equal config (secrets redacted)."""
+        return yaml.safe_dump(self.redacted_dict(), sort_keys=False, allow_unicode=True)
+
+
+def _name_secrets(model: BaseModel, prefix: str) -> None:
+    """Tell each Secret its key path, for the error raised when its variable is missing."""
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        path = f"{prefix}{name}"
+        if isinstance(value, Secret):
+            value.key_path = path
+        elif isinstance(value, BaseModel):
+            _name_secrets(value, path + ".")
+
+
+def _redact_by_name(data: Any) -> Any:
+    """Belt and braces: any string under a secret-looking key is redacted even if not a Secret."""
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            hide = isinstance(v, str) and _SECRET_NAME.search(str(k))
+            out[k] = Secret(v).redacted() if hide else _redact_by_name(v)
+        return out
+    if isinstance(data, list):
+        return [_redact_by_name(v) for v in data]
+    return data
+
+
+def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Merge the YAML ``paths`` in order, apply ``--set key.path=value`` ``overrides``, validate.
+
+    Raises ConfigError naming the key path, the file that set it, the value and what is allowed.
+    (Implemented in ``tether.config.io``; imported here lazily because that module imports this one.)"""
+    from tether.config.io import load_config as load
+
+    return load(paths, overrides)
+
+
+
