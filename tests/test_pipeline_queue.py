@@ -1,0 +1,180 @@
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from tether.pipeline.queue import MessageQueue, QueuedGroup
+from tether.pipeline.staleness import stale_filter
+from tether.types import Group, Trajectory
+
+
+def group(n_traj: int, version: int = 0, task: str = "t") -> Group:
+    return Group(task, [Trajectory(task, [1], [5, 6], [1, 0], [0.0, 0.0], [version, -1]) for _ in range(n_traj)])
+
+
+def qg(seq: int, n_traj: int = 1, version: int = 0) -> QueuedGroup:
+    return QueuedGroup(group(n_traj, version, f"task{seq}"), seq, version)
+
+
+def test_drop_oldest_at_capacity_by_hand():
+    q = MessageQueue(max_size=2)
+    q.put(qg(0, 2))
+    q.put(qg(1, 3))
+    assert (len(q), q.queued_samples, q.dropped_samples) == (2, 5, 0)
+    q.put(qg(2, 1))  # full: seq 0 (2 trajectories) goes
+    assert (len(q), q.queued_samples, q.dropped_samples, q.dropped_groups) == (2, 4, 2, 1)
+    assert q.total_produced == 6
+    assert [g.seq for g in q.get_batch_nowait(2)] == [1, 2]
+    assert q.total_consumed == 4
+    q.check_accounting()  # 6 = 4 consumed + 2 dropped + 0 stale + 0 queued
+    assert q.metrics() == {"queue/total_produced": 6.0, "queue/total_consumed": 4.0, "queue/dropped_samples": 2.0,
+                           "queue/stale_samples": 0.0, "queue/size": 0.0}
+
+
+def test_a_straggler_older_than_everything_queued_is_the_one_dropped():
+    q = MessageQueue(max_size=2, window_size=8)
+    q.put(qg(5))
+    q.put(qg(6))
+    q.put(qg(3, 4))  # oldest start → dropped on arrival; its position is retired
+    assert sorted(g.seq for g in [q.get_nowait(), q.get_nowait()]) == [5, 6]
+    assert q.dropped_samples == 4 and q.oldest_unconsumed_seq == 0  # 0, 1, 2, 4 never came
+
+
+def test_bare_groups_are_numbered_in_arrival_order():
+    q = MessageQueue(max_size=2)
+    for v in (3, 4, 5):
+        q.put(group(1, v))
+    got = q.get_batch_nowait(2)
+    assert [(g.seq, g.start_version) for g in got] == [(1, 4), (2, 5)]  # seq 0 dropped
+    with pytest.raises(ValueError, match="both"):
+        q.put(qg(7))
+
+
+def test_windowed_get_batch_waits_for_the_straggler():
+    q = MessageQueue(max_size=16, window_size=4)
+    for s in [0, 1, 2, 4, 5, 6, 7, 8, 9]:  # 3 is still running
+        q.put(qg(s))
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [0, 1]
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [2, 4]
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [5, 6]  # window [3, 7)
+    assert q.get_batch(2, timeout=0.05) is None  # 7, 8, 9 are outside [3, 7)
+    threading.Timer(0.05, q.put, args=(qg(3),)).start()
+    t = time.monotonic()
+    assert [g.seq for g in q.get_batch(2, timeout=5)] == [3, 7]
+    assert time.monotonic() - t < 2
+    assert [g.seq for g in q.get_batch_nowait(2)] == [8, 9]
+
+
+def test_abandon_moves_the_window():
+    q = MessageQueue(max_size=8, window_size=2)
+    q.put(qg(1))
+    q.put(qg(2))
+    assert q.get_batch_nowait(2) is None  # window [0, 2) holds only 1
+    q.abandon(0)  # episode 0 failed: window [1, 3)
+    assert [g.seq for g in q.get_batch_nowait(2)] == [1, 2]
+    with pytest.raises(ValueError, match="twice"):
+        q.put(qg(1))
+
+
+def test_close_wakes_a_waiter_and_bad_batch_size():
+    q = MessageQueue(max_size=4)
+    q.put(qg(0))
+    threading.Timer(0.05, q.close).start()
+    t = time.monotonic()
+    assert q.get_batch(2, timeout=5) is None
+    assert time.monotonic() - t < 2
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [0]  # what is ready is still served after close
+    assert q.put(qg(1)) is False and q.total_produced == 1
+    with pytest.raises(ValueError, match="max_queue_size"):
+        q.get_batch(5)
+
+
+def test_async_consumer_is_woken_by_a_producer_thread():
+    q = MessageQueue(max_size=4)
+
+    async def main():
+        threading.Timer(0.05, lambda: [q.put(qg(0)), q.put(qg(1))]).start()
+        got = await asyncio.wait_for(q.get_batch_async(2, timeout=5), 5)
+        timed_out = await q.get_batch_async(1, timeout=0.05)
+        return got, timed_out
+
+    got, timed_out = asyncio.run(main())
+    assert [g.seq for g in got] == [0, 1] and timed_out is None
+
+
+def test_report_stale_and_broken_accounting():
+    q = MessageQueue(max_size=4)
+    q.put(qg(0, 2, version=0))
+    q.put(qg(1, 3, version=2))
+    batch = q.get_batch_nowait(2)
+    kept, dropped = stale_filter(batch, current_version=3, max_policy_lag=1)  # lags 3 and 1
+    assert [g.seq for g in kept] == [1] and [g.seq for g in dropped] == [0]
+    q.report_stale(dropped)
+    assert (q.total_consumed, q.stale_samples) == (3, 2)
+    q.check_accounting()
+    with pytest.raises(ValueError, match="report_stale"):
+        q.report_stale(kept + kept)
+    q._dropped += 1  # simulate a bug
+    with pytest.raises(AssertionError, match=r"produced 5 != consumed 3 \+ dropped 1 \+ stale 2 \+ queued 0"):
+        q.check_accounting()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_accounting_invariant_under_4_producers_and_1_consumer(window):
+    q = MessageQueue(max_size=6, window_size=window)
+    seq_lock, next_seq = threading.Lock(), [0]
+    per_producer = 150
+
+    def produce(pid):
+        rng = random.Random(pid)
+        for _ in range(per_producer):
+            with seq_lock:  # start: take a start position
+                seq = next_seq[0]
+                next_seq[0] += 1
+            if rng.random() < 0.3:
+                time.sleep(0)  # let others overtake
+            if rng.random() < 0.05:
+                q.abandon(seq)  # failed episode
+            else:
+                q.put(qg(seq, rng.randint(1, 4), version=seq % 3))
+
+    producers = [threading.Thread(target=produce, args=(i,)) for i in range(4)]
+    seen, violations = [], []
+
+    def consume():
+        while True:
+            batch = q.get_batch(2, timeout=0.01)
+            if batch is None:
+                if q.closed:
+                    break
+                continue
+            kept, dropped = stale_filter(batch, current_version=2, max_policy_lag=1)  # version 0 is stale
+            q.report_stale(dropped)
+            seen.extend(g.seq for g in batch)
+            time.sleep(0.0005)  # a trainer slower than 4 producers: the queue overflows
+            try:
+                q.check_accounting()
+            except AssertionError as e:
+                violations.append(str(e))
+        rest = q.get_batch_nowait(1)
+        while rest:
+            seen.extend(g.seq for g in rest)
+            rest = q.get_batch_nowait(1)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    for p in producers:
+        p.start()
+    for p in producers:
+        p.join()
+    q.close()
+    consumer.join(timeout=10)
+    assert not consumer.is_alive() and not violations
+    q.check_accounting()
+    assert len(q) == 0 and q.queued_samples == 0
+    assert len(seen) == len(set(seen))  # nothing served twice
+    assert q.total_produced == q.total_consumed + q.dropped_samples + q.stale_samples
+    assert q.dropped_groups > 0 and q.stale_samples > 0  # both paths exercised
+    assert q.oldest_unconsumed_seq == 4 * per_producer  # every start position retired exactly once
