@@ -30,7 +30,7 @@ def test_drop_oldest_at_capacity_by_hand():
     assert q.total_consumed == 4
     q.check_accounting()  # 6 = 4 consumed + 2 dropped + 0 stale + 0 queued
     assert q.metrics() == {"queue/total_produced": 6.0, "queue/total_consumed": 4.0, "queue/dropped_samples": 2.0,
-                           "queue/stale_samples": 0.0, "queue/size": 0.0}
+                           "queue/stale_samples": 0.0, "queue/size": 0.0, "queue/queued_samples": 0.0}
 
 
 def test_a_straggler_older_than_everything_queued_is_the_one_dropped():

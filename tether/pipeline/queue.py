@@ -214,7 +214,8 @@ class MessageQueue:
                     "queue/total_consumed": float(self._taken - self._stale),
                     "queue/dropped_samples": float(self._dropped),
                     "queue/stale_samples": float(self._stale),
-                    "queue/size": float(len(self._items))}
+                    "queue/size": float(len(self._items)),
+                    "queue/queued_samples": float(self._queued)}
 
     def check_accounting(self) -> None:
         """Raise ``AssertionError`` with the numbers unless produced = consumed + dropped + stale + queued."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from typing import Callable
 
 from tether.agent.loop import AgentLoopBase
@@ -36,6 +35,11 @@ class Rollouter:
         finally:
             env.close()
 
+    async def group(self, task: Task, group_size: int, seed: int) -> Group:
+        """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work)."""
+        trajs = await asyncio.gather(*(self.rollout(task, episode_seed(seed, task.id, i)) for i in range(group_size)))
+        return Group(task.id, list(trajs))
+
     async def groups(self, tasks: list[Task], group_size: int, seed: int) -> list[Group]:
         """``group_size`` rollouts of each task, all in flight together (bounded by max_concurrent)."""
         sem = asyncio.Semaphore(self.max_concurrent)
@@ -48,7 +52,8 @@ class Rollouter:
         return [Group(t.id, list(trajs[k * group_size:(k + 1) * group_size])) for k, t in enumerate(tasks)]
 
 
-def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float, hacking_patterns: tuple[str, ...] = ()) -> None:
+def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float | None,
+                           hacking_patterns: tuple[str, ...] = ()) -> None:
     """The agent/, reward/ and rollout throughput metrics of one batch of trajectories. Every pattern in
     ``hacking_patterns`` is recorded (0 when not seen), so a clean run shows zeros rather than nothing."""
     n = len(trajs)
@@ -67,12 +72,5 @@ def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float, hacking_pa
     record_metric("agent/errors", sum(len(t.errors) for t in trajs) / n)
     record_metric("rollout/response_tokens", sum(t.num_model_tokens for t in trajs) / n)
     record_metric("rollout/truncated_ratio", sum(t.truncated for t in trajs) / n)
-    record_metric("perf/rollout_time", elapsed_s, "sum")
-
-
-async def timed_groups(rollouter: Rollouter, tasks: list[Task], group_size: int, seed: int,
-                       hacking_patterns: tuple[str, ...] = ()) -> list[Group]:
-    t = time.perf_counter()
-    groups = await rollouter.groups(tasks, group_size, seed)
-    record_rollout_metrics([tr for g in groups for tr in g.trajectories], time.perf_counter() - t, hacking_patterns)
-    return groups
+    if elapsed_s is not None:  # wall time of generating this batch (sync mode)
+        record_metric("perf/rollout_time", elapsed_s, "sum")

@@ -1,4 +1,4 @@
-"""The training loop, ``sync`` mode, top to bottom:
+"""The training loop, top to bottom (the batch source differs per ``rollout.mode``, see modes.py):
 
     sample tasks → group_size rollouts each (agent loop + verifier) → group-relative advantages
     → learner update → new weights into the engine → metrics → (eval, checkpoint)
@@ -27,7 +27,8 @@ from tether.learner.learner import Learner
 from tether.metrics import JsonlSink, MetricsRecorder, TensorBoardSink, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.progress import Progress
-from tether.pipeline.rollouter import Rollouter, timed_groups
+from tether.pipeline.modes import make_source
+from tether.pipeline.rollouter import Rollouter
 from tether.runtime import Runtime
 from tether.types import Group, Task
 
@@ -120,24 +121,30 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         progress.eval_table(step, metrics, eval_tasks, trajs)
         return metrics
 
+    source = None
     try:
         eval_before = run_eval(0) if start == 0 else {}
         if start == 0:
             recorder.flush(0)
         eval_after = eval_before
+        source = make_source(cfg, rollouter, sampler.batch, start_step=start, hacking_patterns=tuple(hacking_patterns))
+        sync_every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
-            tasks = sampler.batch(step)
-            groups = asyncio.run(timed_groups(rollouter, tasks, group_size, seed=cfg.trainer.seed * 100_003 + step,
-                                              hacking_patterns=tuple(hacking_patterns)))
+            groups = source.next_batch(step)
             trajs, adv = _advantages(cfg, groups)
             learner.train_step(trajs, adv)  # records the optim/* metrics itself
-            rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
-            record_metric("rollout/current_param_version", learner.version, "last")
+            if step % sync_every == 0:
+                rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
+                source.on_weights(learner.version)
+            record_metric("rollout/current_param_version", rt.engine.version, "last")
             elapsed = time.perf_counter() - t0
             record_metric("perf/step_time", elapsed, "last")
             record_metric("perf/samples_per_s", len(trajs) / elapsed, "last")
-            samples_log.write(json.dumps({"step": step, "task_ids": [t.id for t in tasks]}) + "\n")
+            record_metric("perf/trainer_idle_ratio", source.last_wait_s / elapsed, "last")
+            if cfg.rollout.mode == "sync":  # the rollouter idles while the trainer trains
+                record_metric("perf/rollouter_idle_ratio", 1.0 - source.last_wait_s / elapsed, "last")
+            samples_log.write(json.dumps({"step": step, "task_ids": [g.task_id for g in groups]}) + "\n")
             samples_log.flush()
             last = step == cfg.trainer.total_steps
             if last or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
@@ -146,6 +153,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
                 save_checkpoint(checkpoint_dir(run_dir, step), learner, rt.tokenizer, extra={"step": step})
             progress.update(step, recorder.flush(step))
     finally:
+        if source is not None:
+            source.close()
         samples_log.close()
         progress.close()
         set_recorder(prev_recorder)
