@@ -1,0 +1,121 @@
+"""Trained samples/s of sync, one_step_off_policy and fully_async on a workload dominated by tool latency.
+
+    python benchmarks/async_vs_sync.py [--steps 8] [--threads 2]
+
+The same config runs in each mode for the same number of trained samples: a tiny policy (training and
+generation cost little) on the customer-service environment whose tools answer after a lognormal
+latency with a long tail, so a sync step waits for its slowest episode.
+
+Ideal speed-up, from the stage times measured in the sync run (Little's law): an async pipeline with C
+trajectories in flight finishes at most C / T_episode trajectories per second and cannot train faster
+than B / T_train, so ideal throughput = min(B / T_train, C / T_episode), against the sync throughput
+B / (T_rollout + T_train). T_episode is the mean episode wall time, T_rollout the mean wall time of a sync
+batch (its slowest episode), T_train the mean time of a training step, B the batch size, C =
+min(max_concurrent_tasks, (max_staleness + 1) · B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tether.config import load_config
+from tether.env.customer_service import example_texts
+from tether.learner.model import build_tiny
+from tether.pipeline.trainer import train
+
+CONFIG = """
+environment:
+  num_train_tasks: 64
+  num_eval_tasks: 4
+  action_space:
+    - {name: query_inventory, params: [sku_id], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
+    - {name: check_refund_policy, params: [order_id, reason_code], timeout_ms: 10000,
+       latency_ms: {median: 500, sigma: 1.2, max: 8000}}
+    - {name: escalate_to_human, params: [summary, priority], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
+    - {name: respond_to_user, params: [message], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
+engine: {max_tokens: 8, temperature: 1.0}
+agent_loop: {max_assistant_turns: 4, max_user_turns: 4}
+learner: {batch_size: 32, mini_batch_size: 32, gradient_accumulation_steps: 1, update_frequency: 1}
+policy_optimization:
+  advantage: {group_size: 4, normalization: group}
+  optimizer: {lr: 1e-4, warmup_steps: 0}
+  kl_control: {type: none}  # no reference forward: keep the workload rollout-dominated
+rollout:
+  scheduler: {type: windowed_fifo, window_size: 64}
+  worker: {max_concurrent_tasks: 256}
+buffer: {stale_filter: {enabled: true, max_policy_lag: 4}}
+message_queue: {max_queue_size: 512}
+rollouter: {max_queue_size: 512}
+trainer: {eval_every: 0, save_every: 0, trigger_parameter_sync_step: 1, seed: 0}
+metrics: {tensorboard: false}
+"""
+
+MODES = {"sync": ["rollout.mode=sync"],
+         "one_step_off_policy": ["rollout.mode=one_step_off_policy", "rollout.scheduler.max_staleness=1"],
+         "fully_async": ["rollout.mode=fully_async", "rollout.scheduler.max_staleness=4"]}
+
+
+def run(root: Path, model: str, mode: str, steps: int) -> tuple[float, list[dict]]:
+    cfg = load_config([root / "cfg.yaml"], [f"model.path={model}", f"trainer.total_steps={steps}", *MODES[mode]])
+    t = time.perf_counter()
+    train(cfg, root / mode, show_progress=False)
+    wall = time.perf_counter() - t
+    rows = [json.loads(line) for line in (root / mode / "metrics.jsonl").read_text().splitlines()]
+    return wall, rows[1:]
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "cfg.yaml").write_text(CONFIG)
+        model = build_tiny(root / "model", corpus=example_texts(100), num_hidden_layers=1, hidden_size=64,
+                           intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+        cfg = load_config([root / "cfg.yaml"])
+        batch = cfg.learner.batch_size
+        results = {mode: run(root, model, mode, args.steps) for mode in MODES}
+
+    trained = args.steps * batch
+    sync_rows = results["sync"][1]
+    t_rollout = median([r["perf/rollout_time"] for r in sync_rows])
+    t_train = median([r["perf/step_time"] - r["perf/rollout_time"] for r in sync_rows])
+    t_episode = median([r["agent/generate_sequences"] + r["agent/tool_calls"] + r["agent/compute_score"]
+                        for r in sync_rows])
+    print(f"workload: {args.steps} steps x {batch} trajectories, tools lognormal median 500 ms, sigma 1.2, "
+          f"cap 8 s; {args.threads} threads")
+    print(f"sync stage times (median per step): rollout {t_rollout:.2f} s (slowest episode), "
+          f"train {t_train:.2f} s, mean episode {t_episode:.2f} s")
+    print(f"{'mode':22s} {'wall s':>8s} {'samples/s':>10s} {'speed-up':>9s} {'ideal':>7s} {'of ideal':>9s}")
+    sync_rate = trained / results["sync"][0]
+    sync_ideal_rate = batch / (t_rollout + t_train)
+    lines = []
+    for mode, (wall, rows) in results.items():
+        rate = trained / wall
+        staleness = 0 if mode == "sync" else (1 if mode == "one_step_off_policy" else 4)
+        in_flight = min(cfg.rollout.worker.max_concurrent_tasks, (staleness + 1) * batch)
+        ideal_rate = batch / (t_rollout + t_train) if mode == "sync" else min(batch / t_train, in_flight / t_episode)
+        ideal = ideal_rate / sync_ideal_rate
+        speedup = rate / sync_rate
+        lines.append((mode, speedup, ideal))
+        print(f"{mode:22s} {wall:8.1f} {rate:10.2f} {speedup:8.2f}x {ideal:6.2f}x {speedup / ideal:8.0%}")
+    for mode, speedup, ideal in lines[1:]:
+        print(f"speedup {mode}/sync = {speedup:.2f} (ideal {ideal:.2f})")
+
+
+if __name__ == "__main__":
+    main()
