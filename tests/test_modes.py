@@ -85,3 +85,30 @@ def test_bounds_hold_under_slow_long_tailed_tools(setup):
         assert r["queue/total_produced"] == (r["queue/total_consumed"] + r["queue/dropped_samples"]
                                              + r["queue/stale_samples"] + queued)
     assert rows[-1]["queue/total_consumed"] >= 5 * 8
+
+
+def test_episode_timeout_is_retried_then_reported():
+    import asyncio
+
+    from tether.pipeline.rollouter import RolloutError, Rollouter
+    from tether.types import Task
+
+    calls = []
+
+    class Loop:
+        async def run(self, task, env, seed):
+            calls.append(seed)
+            await asyncio.sleep(0.2 if len(calls) < 3 else 0.0)
+            return f"done:{seed}"
+
+    class Env:
+        def close(self):
+            pass
+
+    task = Task("t", "train", "k")
+    r = Rollouter(Loop(), Env, timeout_s=0.05, retries=2)
+    assert asyncio.run(r.rollout(task, seed=7)).startswith("done:")  # attempts 1 and 2 time out, 3 succeeds
+    assert len(calls) == 3 and calls[0] == 7 and len(set(calls)) == 3
+    calls.clear()
+    with pytest.raises(RolloutError, match=r"all 2 attempts failed: timed out after 0.05 s; timed out"):
+        asyncio.run(Rollouter(Loop(), Env, timeout_s=0.05, retries=1).rollout(task, seed=7))

@@ -14,6 +14,7 @@ async modes reproduce ``sync`` exactly (tests/test_modes.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Callable, Protocol
@@ -21,10 +22,12 @@ from typing import Callable, Protocol
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.queue import MessageQueue, QueuedGroup
-from tether.pipeline.rollouter import Rollouter, record_rollout_metrics
+from tether.pipeline.rollouter import RolloutError, Rollouter, record_rollout_metrics
 from tether.pipeline.scheduler import window_for
 from tether.pipeline.staleness import AdmissionController, stale_filter, version_lag_stats
 from tether.types import Group, Task
+
+log = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
@@ -130,11 +133,11 @@ class AsyncSource:
         try:
             group = await self.rollouter.group(task, self.group_size, step_seed(self.seed, step))
             self.queue.put(QueuedGroup(group, seq, start_version))
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
+        except RolloutError as e:  # counted and logged; the window and the admission count move on
             self.queue.abandon(seq)
-            raise
+            self.admission.release()
+            record_metric("rollout/failed_groups", 1, "sum")
+            log.warning("dropping group %d: %s", seq, e)
         finally:
             self._mark(-1)
             sem.release()

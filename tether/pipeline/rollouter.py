@@ -22,18 +22,37 @@ def episode_seed(seed: int, task_id: str, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
+class RolloutError(RuntimeError):
+    """An episode failed on every attempt (timeout or exception)."""
+
+
 class Rollouter:
-    def __init__(self, agent_loop: AgentLoopBase, make_env: Callable[[], Env], *, max_concurrent: int = 128):
+    def __init__(self, agent_loop: AgentLoopBase, make_env: Callable[[], Env], *, max_concurrent: int = 128,
+                 timeout_s: float | None = None, retries: int = 0):
         self.agent_loop = agent_loop
         self.make_env = make_env
         self.max_concurrent = max_concurrent
+        self.timeout_s = timeout_s  # rollout.worker.task_timeout_s: one episode, all its turns and tools
+        self.retries = retries  # rollout.worker.retry_on_failure: further attempts with a fresh env
 
     async def rollout(self, task: Task, seed: int) -> Trajectory:
-        env = self.make_env()
-        try:
-            return await self.agent_loop.run(task, env, seed=seed)
-        finally:
-            env.close()
+        """One episode; a timeout or an exception is retried ``retries`` times, then raised as RolloutError.
+        A retry uses a derived seed: it is a new attempt, not a replay of the one that failed."""
+        reasons: list[str] = []
+        for attempt in range(self.retries + 1):
+            env = self.make_env()
+            try:
+                run = self.agent_loop.run(task, env, seed=seed if attempt == 0 else episode_seed(seed, "retry", attempt))
+                return await asyncio.wait_for(run, self.timeout_s)
+            except asyncio.TimeoutError:
+                reasons.append(f"timed out after {self.timeout_s} s")
+                record_metric("rollout/episode_timeouts", 1, "sum")
+            except Exception as e:  # noqa: BLE001 — recorded, retried, and re-raised below with every reason
+                reasons.append(f"{type(e).__name__}: {e}")
+                record_metric("rollout/episode_errors", 1, "sum")
+            finally:
+                env.close()
+        raise RolloutError(f"task {task.id}: all {self.retries + 1} attempts failed: {'; '.join(reasons)}")
 
     async def group(self, task: Task, group_size: int, seed: int) -> Group:
         """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work)."""

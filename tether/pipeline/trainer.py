@@ -92,7 +92,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     eval_tasks = rt.tasks("eval")[: cfg.trainer.eval_tasks or None]
     anti = cfg.environment.verifier.anti_hacking
     hacking_patterns = anti.detect_patterns if anti.enabled else []
-    rollouter = Rollouter(rt.loop(), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+    worker = cfg.rollout.worker
+    rollouter = Rollouter(rt.loop(), rt.make_env, max_concurrent=worker.max_concurrent_tasks,
+                          timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure)
     evaluator = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
 
     start = 0
