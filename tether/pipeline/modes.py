@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 
 from tether.config import RunConfig
 from tether.metrics import record_metric
+from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.queue import MessageQueue, QueuedGroup
 from tether.pipeline.rollouter import RolloutError, Rollouter, record_rollout_metrics
 from tether.pipeline.scheduler import window_for
@@ -84,7 +85,12 @@ class AsyncSource:
         self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
         self.sync_every = cfg.trainer.trigger_parameter_sync_step
         sched = cfg.rollout.scheduler
-        self.queue = MessageQueue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
+        self.queue_capacity = cfg.message_queue.max_queue_size
+        self.queue = MessageQueue(self.queue_capacity, window_for(sched.type, sched.window_size))
+        buf = cfg.buffer
+        self.buffer = None if buf.type == "fifo" else ReplayBuffer(
+            cfg.rollout.partial_rollout.replay_buffer_size, buf.type, buf.freshness_weight, buf.diversity_weight,
+            seed=cfg.trainer.seed, version=start_step)
         # Admission counts groups per *parameter version*: one version is pushed every sync_every steps.
         self.admission = AdmissionController(max_staleness, groups_per_step * self.sync_every, initial_version=start_step)
         self.version = start_step  # parameter version the engine generates with
@@ -153,15 +159,27 @@ class AsyncSource:
                 self._busy_since = None
 
     # -- trainer side --------------------------------------------------------------------------------
+    def _take(self, n: int) -> list[QueuedGroup]:
+        """Up to n finished groups: straight from the queue, or — with ``buffer.type: priority`` — through
+        the replay buffer (everything finished moves into it; n are sampled by freshness and diversity)."""
+        have = len(self.buffer) if self.buffer is not None else 0
+        got = self.queue.get_batch(n - have, timeout=600.0) if have < n else []
+        if self._error is not None:
+            raise RuntimeError("the rollouter failed") from self._error
+        if got is None:
+            raise RuntimeError("no rollouts arrived for 600 s: is the engine or a tool stuck?")
+        if self.buffer is None:
+            return got
+        for q in got + (self.queue.get_batch_nowait(self.queue_capacity) or []):
+            self.buffer.add(q)
+        self.buffer.on_version(self.version)
+        return self.buffer.sample(n)
+
     def next_batch(self, step: int) -> list[Group]:
         t = time.perf_counter()
         kept: list[QueuedGroup] = []
         while len(kept) < self.groups_per_step:
-            got = self.queue.get_batch(self.groups_per_step - len(kept), timeout=600.0)
-            if self._error is not None:
-                raise RuntimeError("the rollouter failed") from self._error
-            if got is None:
-                raise RuntimeError("no rollouts arrived for 600 s: is the engine or a tool stuck?")
+            got = self._take(self.groups_per_step - len(kept))
             if self.max_policy_lag is not None:
                 fresh, stale = stale_filter(got, self.version, self.max_policy_lag)
                 if stale:
@@ -175,7 +193,8 @@ class AsyncSource:
         trajs = [tr for g in groups for tr in g.trajectories]
         record_rollout_metrics(trajs, None, self.hacking_patterns)
         record_metric("rollout/stale_trajectory_processed", 0.0, "sum")
-        for k, v in {**version_lag_stats(trajs, self.version), **self.queue.metrics()}.items():
+        extra = self.buffer.metrics() if self.buffer is not None else {}
+        for k, v in {**version_lag_stats(trajs, self.version), **self.queue.metrics(), **extra}.items():
             record_metric(k, v, "last")
         self.last_wait_s = wait
         with self._lock:
