@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers.tokenization_utils_base import AddedToken
 
 from tether.learner.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, builtin_corpus, train_tokenizer
 
@@ -45,15 +46,21 @@ def load_model_and_tokenizer(path: str | os.PathLike, dtype: str = "float32") ->
     return model.eval(), tokenizer
 
 
-def build_tiny(path: str | os.PathLike, corpus: Iterable[str] = (), seed: int = 0, **overrides: Any) -> str:
+def build_tiny(path: str | os.PathLike, corpus: Iterable[str] = (), seed: int = 0,
+               extra_tokens: Iterable[str] = (), **overrides: Any) -> str:
     """Build the tiny preset into ``path`` (model, tokenizer, generation config); returns ``path``.
 
     ``overrides`` are Qwen2Config fields (``num_hidden_layers=2``, ...) plus ``vocab_size``, which sets
-    the BPE target size. Deterministic in (corpus, seed, overrides).
+    the BPE target size. ``extra_tokens`` are strings that each become one (non-special) token, matched
+    before BPE (e.g. a world's entity ids, so that a tiny model copies ``O-3410`` as one token, not six).
+    Deterministic in (corpus, seed, extra_tokens, overrides).
     """
     overrides = dict(overrides)
     vocab_target = int(overrides.pop("vocab_size", TINY_VOCAB_SIZE))
     tokenizer = train_tokenizer([*builtin_corpus(), *corpus], vocab_size=vocab_target)
+    extra = list(dict.fromkeys(extra_tokens))  # ordered, deduplicated: ids are deterministic
+    if extra:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
     eos, pad = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
     config = Qwen2Config(**{**TINY_DEFAULTS, **overrides}, vocab_size=len(tokenizer),
                          bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
