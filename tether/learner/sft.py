@@ -2,13 +2,17 @@
 
 The warm start of the demo. Trajectories come from the agent loop (e.g. a scripted expert replayed
 through ``ScriptedEngine``), so SFT sees exactly the token layout RL will generate in.
+
+Two hooks keep the loop generic: ``augment(trajectory, rng)`` returns the trajectory to train on this time
+(e.g. with its ids swapped for others, token for token), and ``extra_loss(model)`` adds a term to every
+step's loss (e.g. an auxiliary task trained alongside).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -17,36 +21,43 @@ from tether.learner.batch import TrainBatch
 from tether.types import Trajectory
 
 
+def warmup_cosine(opt: torch.optim.Optimizer, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
+
+
 def sft(model: Any, trajectories: Sequence[Trajectory], *, pad_id: int, epochs: int = 3, lr: float = 1e-3,
-        batch_size: int = 16, weight_decay: float = 0.0, warmup: int = 10, seed: int = 0,
-        log: Any = None) -> list[float]:
+        batch_size: int = 16, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+        warmup: int = 10, seed: int = 0, augment: Callable[[Trajectory, random.Random], Trajectory] | None = None,
+        extra_loss: Callable[[Any], torch.Tensor] | None = None, log: Any = None) -> list[float]:
     """Train ``model`` in place; AdamW with linear warmup then cosine decay. Returns the per-epoch losses
-    (mean negative log-likelihood per trained token)."""
+    (mean negative log-likelihood per trained token, ``extra_loss`` not included)."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    steps = epochs * math.ceil(len(trajectories) / batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    sched = warmup_cosine(opt, epochs * math.ceil(len(trajectories) / batch_size), warmup)
     rng = random.Random(seed)
     order = list(range(len(trajectories)))
-    # Sorting each shuffled chunk by length keeps padding small.
     losses = []
     for epoch in range(epochs):
         rng.shuffle(order)
         total, count = 0.0, 0
         for i in range(0, len(order), batch_size):
             chunk = [trajectories[j] for j in order[i:i + batch_size]]
+            if augment is not None:
+                chunk = [augment(t, rng) for t in chunk]
             batch = TrainBatch.from_trajectories(chunk, [0.0] * len(chunk), pad_id=pad_id)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
             logp = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])  # [B, T-1]
             mask = batch.loss_mask[:, 1:]
-            loss = -(logp * mask).sum() / mask.sum().clamp_min(1.0)
+            nll = -(logp * mask).sum() / mask.sum().clamp_min(1.0)
+            loss = nll + extra_loss(model) if extra_loss is not None else nll
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            total += float(loss.detach()) * float(mask.sum())
+            total += float(nll.detach()) * float(mask.sum())
             count += int(mask.sum())
         losses.append(total / max(count, 1))
         if log:
