@@ -16,7 +16,8 @@ runner = CliRunner()
 def test_config_prints_resolved_yaml(monkeypatch):
     monkeypatch.delenv("TETHER_API_KEY", raising=False)  # printing needs no secret
     result = runner.invoke(app, ["config", *map(str, SEEDS), "--set", "agent_loop.max_parallel_calls=4",
-                                 "--set", "tool_parser.stop_token_ids=[1,2]"])
+                                 "--set", "tool_parser.stop_token_ids=[1,2]",
+                                 "--set", "trainer.require_batches=1"])
     assert result.exit_code == 0, result.output
     assert len(SEEDS) == 6
     data = yaml.safe_load(result.stdout)

@@ -52,7 +52,9 @@ def test_each_seed_file_loads_as_is(where, name):
 
 @pytest.mark.parametrize("where", ["reference", "repo"])
 def test_all_seeds_merged_spot_checks(where):
-    cfg = load_config([seed_dir(where) / n for n in SEEDS])
+    # fully_async_ppo.yaml's trainer step (64 × 2 batches) and async_pipeline.yaml's learner.batch_size (64)
+    # disagree; merged, one of them has to give way (test_seed_step_sizes_conflict_when_merged)
+    cfg = load_config([seed_dir(where) / n for n in SEEDS], ["trainer.require_batches=1"])
     assert cfg.rollout.mode == "fully_async"  # the seed says "async"
     lr = cfg.policy_optimization.optimizer.lr
     assert lr == 1e-6 and type(lr) is float  # PyYAML reads `1e-6` as a string
@@ -144,6 +146,32 @@ def test_numeric_string_accepted_for_float(tmp_path):
     assert cfg.policy_optimization.optimizer.lr == 2e-5
 
 
+def test_seed_step_sizes_conflict_when_merged():
+    with pytest.raises(ConfigError) as err:
+        load_config([seed_dir("repo") / n for n in SEEDS])
+    msg = str(err.value)
+    for part in ("`trainer.ppo_mini_batch_size` = 64 (", "`trainer.require_batches` = 2 (", "`learner.batch_size` = 64 (",
+                 "make them equal"):
+        assert part in msg
+
+
+def test_trainer_step_keys_set_the_learner_batch(tmp_path):
+    cfg = load_config([write(tmp_path, "t.yaml", "trainer: {ppo_mini_batch_size: 16, require_batches: 3}\n")])
+    assert (cfg.learner.batch_size, cfg.learner.mini_batch_size) == (48, 8)  # 8 still divides 48
+    cfg = load_config([write(tmp_path, "t.yaml", "trainer: {ppo_mini_batch_size: 10, require_batches: 2}\n"
+                                                 "policy_optimization: {advantage: {group_size: 4}}\n")])
+    assert (cfg.learner.batch_size, cfg.learner.mini_batch_size) == (20, 10)  # 8 does not: one update per queue batch
+    cfg = load_config([], ["learner.batch_size=24"])  # learner side only: the trainer follows
+    assert (cfg.trainer.ppo_mini_batch_size, cfg.trainer.require_batches) == (12, 2)
+
+
+def test_partial_rollout_switch_given_on_one_side_sets_both(tmp_path):
+    cfg = load_config([write(tmp_path, "r.yaml", "rollouter:\n  partial_rollout: false\n")])
+    assert cfg.rollout.partial_rollout.enabled is False and cfg.rollouter.partial_rollout is False
+    with pytest.raises(ConfigError, match="name one switch"):
+        load_config([], ["rollouter.partial_rollout=false", "rollout.partial_rollout.enabled=true"])
+
+
 def test_queue_size_given_on_one_side_sets_both(tmp_path):
     cfg = load_config([write(tmp_path, "q.yaml", "rollouter:\n  max_queue_size: 7\n")])
     assert cfg.message_queue.max_queue_size == cfg.rollouter.max_queue_size == 7
@@ -155,7 +183,8 @@ def test_model_path_alone_replaces_default_preset(tmp_path):
 
 
 def test_round_trip_of_the_dump(tmp_path):
-    cfg = load_config([REPO / "configs/seeds" / n for n in SEEDS], ["environment.action_space=[]"])
+    cfg = load_config([REPO / "configs/seeds" / n for n in SEEDS],
+                      ["environment.action_space=[]", "trainer.require_batches=1"])
     again = load_config([write(tmp_path, "dump.yaml", cfg.to_yaml())])
     assert again == cfg
     assert again.llm_client.api_key == Secret("${TETHER_API_KEY}")

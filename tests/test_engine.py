@@ -226,6 +226,61 @@ def test_update_weights_mid_flight(tiny, recompute):
     assert (teacher_forced_logprobs(new, prompt, r.token_ids) - lp)[switch:].abs().max() < 1e-4
 
 
+def _push_during_decode(engine, pushes):
+    """Wrap the engine's decode so that, at decode call k, another thread pushes weights (state_dict, version)."""
+    decode, calls, threads = engine._runner.decode, [0], []
+
+    def decode_and_push(tokens):
+        calls[0] += 1
+        for k, (state, version) in pushes.items():
+            if calls[0] == k:
+                threads.append(threading.Thread(target=engine.update_weights, args=(state, version)))
+                threads[-1].start()
+        return decode(tokens)
+    engine._runner.decode = decode_and_push
+    return threads
+
+
+def test_without_partial_rollout_an_update_waits_for_the_running_generations(tiny):
+    model, tok = tiny
+    new = _other_weights(model, seed=1)
+    prompts = [tok.encode(t) for t in TEXTS[:3]]
+    params = [SamplingParams(temperature=1.0, max_tokens=n, seed=i) for i, n in enumerate((40, 60, 80))]
+    with LocalEngine(_other_weights(model, seed=0), partial_rollout=False) as engine:
+        threads = _push_during_decode(engine, {5: (new.state_dict(), 1)})
+
+        async def main():
+            first = [asyncio.ensure_future(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
+            while not threads:  # the update is pending: a request arriving now waits for it
+                await asyncio.sleep(0.001)
+            late = await engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8))
+            return await asyncio.gather(*first), late
+        results, late = asyncio.run(main())
+        threads[0].join()
+    for r in results:  # each generation under the weights it started with, none interrupted
+        assert r.versions == [0] * len(r.token_ids) and r.num_preempted == 0
+    assert late.versions == [1] * 8 and late.token_ids == hf_greedy(new, prompts[0], 8)
+
+
+@pytest.mark.parametrize("segment_length", [1, 6])
+def test_segment_length_spaces_the_interruption_points(tiny, segment_length):
+    model, tok = tiny
+    v1, v2 = _other_weights(model, seed=1), _other_weights(model, seed=2)
+    prompt = tok.encode(TEXTS[4])
+    with LocalEngine(_other_weights(model, seed=0), segment_length=segment_length) as engine:
+        # two pushes one decode step apart: the second waits for segment_length steps under version 1
+        threads = _push_during_decode(engine, {10: (v1.state_dict(), 1), 11: (v2.state_dict(), 2)})
+        r = run(engine, [prompt], SamplingParams(temperature=1.0, max_tokens=60, seed=3))[0]
+        for t in threads:
+            t.join()
+    runs = [(v, r.versions.count(v)) for v in dict.fromkeys(r.versions)]
+    assert [v for v, _ in runs] == [0, 1, 2] and r.num_preempted == 2
+    assert r.versions == sorted(r.versions)  # one segment per version, in order
+    assert dict(runs)[1] >= segment_length
+    if segment_length > 1:
+        assert dict(runs)[1] <= segment_length + 2  # applied at the first interruption point
+
+
 def test_64_concurrent_requests_complete(tiny):
     model, tok = tiny
     g = torch.Generator().manual_seed(0)

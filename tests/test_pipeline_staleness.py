@@ -5,7 +5,8 @@ import time
 import pytest
 
 from tether.pipeline.queue import MessageQueue, QueuedGroup
-from tether.pipeline.staleness import AdmissionController, policy_lag, stale_filter, version_lag_stats
+from tether.pipeline.staleness import (AdmissionController, mask_older_segments, policy_lag, stale_filter,
+                                      version_lag_stats)
 from tether.types import Group, Trajectory
 
 
@@ -158,3 +159,16 @@ def test_version_lag_stats_over_model_tokens():
     assert stats["rollout/policy_version_lag_max"] == 3.0
     assert version_lag_stats([traj([-1], [0])], 5) == {"rollout/policy_version_lag_mean": 0.0,
                                                         "rollout/policy_version_lag_max": 0.0}
+
+
+def test_on_policy_segment_only_masks_the_older_segments():
+    # a partial rollout: versions only grow inside a trajectory; here 2, 2, 2, (tool), 3, 3, (tool), 3
+    t = traj([2, 2, 2, -1, 3, 3, -1, 3], mask=[1, 1, 1, 0, 1, 1, 0, 1])
+    assert policy_lag(Group("t", [t]), current_version=4) == 2  # before: from the oldest token
+    assert mask_older_segments(t) == 3
+    assert t.response_mask == [0, 0, 0, 0, 1, 1, 0, 1]
+    assert t.versions == [2, 2, 2, -1, 3, 3, -1, 3] and t.num_model_tokens == 3  # kept as context
+    assert policy_lag(Group("t", [t]), current_version=4) == 1  # after: from the trained segment
+    one_version = traj([5, 5, -1, 5], mask=[1, 1, 0, 1])
+    assert mask_older_segments(one_version) == 0 and one_version.response_mask == [1, 1, 0, 1]
+    assert mask_older_segments(traj([], mask=[])) == 0

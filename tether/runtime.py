@@ -67,8 +67,9 @@ def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngin
 
     if cfg.engine.type != "local":
         raise ValueError(f"engine.type {cfg.engine.type!r} is not available yet; use engine.type: local")
+    partial = cfg.rollout.partial_rollout
     return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=cfg.engine.max_batch_size,
-                       seed=cfg.trainer.seed)
+                       seed=cfg.trainer.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length)
 
 
 @dataclass

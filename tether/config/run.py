@@ -71,6 +71,8 @@ class RunConfig(Section):
             )
         elif rq_set or mq_set:  # one queue: the size given on either side sets both
             rq.max_queue_size = mq.max_queue_size = (rq if rq_set else mq).max_queue_size
+        self._one_partial_rollout_switch()
+        self._trainer_step_size()
         b, g = self.learner.batch_size, self.policy_optimization.advantage.group_size
         _check(
             b % g == 0,
@@ -80,6 +82,41 @@ class RunConfig(Section):
         )
         _name_secrets(self, "")
         return self
+
+    def _one_partial_rollout_switch(self) -> None:
+        """``rollouter.partial_rollout`` (fully_async_ppo.yaml) and ``rollout.partial_rollout.enabled``
+        (async_pipeline.yaml) name one switch: set on one side it sets both; set on both they must agree."""
+        ro, pr = self.rollouter, self.rollout.partial_rollout
+        ro_set, pr_set = "partial_rollout" in ro.model_fields_set, "enabled" in pr.model_fields_set
+        if ro_set and pr_set:
+            _check(ro.partial_rollout == pr.enabled,
+                   "rollouter.partial_rollout and rollout.partial_rollout.enabled name one switch: make them equal",
+                   **{"rollouter.partial_rollout": ro.partial_rollout,
+                      "rollout.partial_rollout.enabled": pr.enabled})
+        elif ro_set or pr_set:
+            ro.partial_rollout = pr.enabled = ro.partial_rollout if ro_set else pr.enabled
+
+    def _trainer_step_size(self) -> None:
+        """The async trainer's vocabulary for the step size: ``require_batches`` queue batches of
+        ``ppo_mini_batch_size`` samples make one trainer step, i.e. ``learner.batch_size``."""
+        tr, lc = self.trainer, self.learner
+        if not {"ppo_mini_batch_size", "require_batches"} & tr.model_fields_set:
+            if lc.batch_size % tr.require_batches:  # learner side (or defaults) only: the trainer follows
+                tr.require_batches = 1
+            tr.ppo_mini_batch_size = lc.batch_size // tr.require_batches
+            return
+        step = tr.ppo_mini_batch_size * tr.require_batches
+        if "batch_size" in lc.model_fields_set:
+            _check(step == lc.batch_size,
+                   "trainer.ppo_mini_batch_size × trainer.require_batches is the samples of one trainer step, "
+                   "which learner.batch_size also sets: make them equal (or set only one side)",
+                   **{"trainer.ppo_mini_batch_size": tr.ppo_mini_batch_size,
+                      "trainer.require_batches": tr.require_batches, "learner.batch_size": lc.batch_size})
+        else:
+            lc.batch_size = step
+            if "mini_batch_size" not in lc.model_fields_set and step % lc.mini_batch_size:
+                lc.mini_batch_size = tr.ppo_mini_batch_size
+            lc._batches_divide()
 
     def derived(self) -> dict[str, int]:
         """Totals computed from the config (printed at start; never computed in shell)."""

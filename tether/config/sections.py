@@ -146,13 +146,16 @@ class PartialRolloutConfig(Section):
     """Interrupting generations at a weight sync and resuming them under the new weights."""
 
     enabled: bool = True
-    """Resume interrupted generations instead of discarding them."""
+    """A weight sync interrupts in-flight generations, which resume under the new weights; false = the sync
+    waits for them to finish under the old ones."""
     segment_length: PosInt = 8
-    """Tokens generated per segment between interruption points."""
+    """Decode steps between interruption points: every generation gets at least this many tokens from a
+    version before the next weight sync is applied."""
     replay_buffer_size: PosInt = 512
-    """Interrupted rollouts kept for resumption."""
+    """Finished groups the priority replay buffer holds (buffer.type: priority)."""
     reuse_policy: Literal["on_policy_segment_only", "all"] = "on_policy_segment_only"
-    """Which segments of a resumed rollout are trained on."""
+    """Which tokens of a partial rollout are trained on: only those of its last (newest) version — earlier
+    segments stay as context — or all of them."""
 
 
 class WorkerConfig(Section):
@@ -386,9 +389,9 @@ class TrainerConfig(Section):
     class_: Literal["FullyAsyncTrainer", "Trainer"] = Field("FullyAsyncTrainer", alias="class")
     """Trainer implementation."""
     ppo_mini_batch_size: PosInt = 64
-    """Samples the trainer takes from the queue per batch."""
+    """Samples the trainer takes from the message queue per batch."""
     require_batches: PosInt = 2
-    """Batches the trainer needs per update."""
+    """Queue batches per trainer step: ppo_mini_batch_size × require_batches = learner.batch_size (set either side)."""
     trigger_parameter_sync_step: PosInt = 4
     """Push weights to the rollouter every N trainer steps."""
     use_trainer_do_validate: bool = True

@@ -5,8 +5,10 @@ than plain ``generate`` on 2 CPU threads for the tiny model (412 vs 3,543 tokens
 and ``generate`` itself wastes the steps between a request's end and the batch's longest one.
 
 One step of the worker loop:
-  1. apply queued weight updates; if requests are in flight, recompute their KV caches under the new
-     weights (prefill of prompt + tokens so far) and count a preemption for each;
+  1. apply queued weight updates — at once when nothing is running; with requests in flight, at the next
+     interruption point (partial rollout: every ``segment_length`` decode steps, then their KV caches are
+     recomputed under the new weights and a preemption counted for each) or, without partial rollout,
+     once they have all finished (new requests wait meanwhile, so every generation has one version);
   2. admit queued requests (up to ``max_batch`` running, ``max_prefill_tokens`` padded new tokens per
      step), each starting from the longest cached prefix (a previous turn's cache, a shared system
      prompt; see ``prefix_cache.py``); prefill them as one batch and sample their first token;
@@ -85,7 +87,8 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, *, version: int = 0, num_threads: int | None = None,
                  max_batch: int = 128, max_prefill_tokens: int = 2048, prefix_cache_size: int = 64,
-                 recompute_on_update: bool = True, fast_path: bool = True, seed: int = 0):
+                 recompute_on_update: bool = True, fast_path: bool = True, seed: int = 0,
+                 partial_rollout: bool = True, segment_length: int = 1):
         """
         num_threads: ``torch.set_num_threads`` for the worker (process-wide; None leaves it alone).
         max_batch: most requests decoded together; more wait in a queue.
@@ -97,7 +100,15 @@ class LocalEngine:
             weights (counted in ``num_preempted``); otherwise they keep the caches of the old ones.
         fast_path: use the hand-written forward when the architecture supports it.
         seed: generator for the requests that have no ``seed`` of their own.
+        partial_rollout: a weight update interrupts in-flight generations, which resume under the new
+            weights with the tokens generated so far (``rollout.partial_rollout.enabled``); False = the
+            update waits until the in-flight generations have finished under the weights they started with.
+        segment_length: with partial rollout, decode steps between interruption points: once a version is
+            in place, every running generation gets at least this many tokens from it before the next
+            update is applied (``rollout.partial_rollout.segment_length``; 1 = the next step).
         """
+        if segment_length < 1:
+            raise ValueError(f"segment_length must be >= 1 decode step, got {segment_length}")
         self.model = model.eval()
         problem = fast_path_problem(model) if fast_path else "fast_path=False"
         if problem:
@@ -107,6 +118,8 @@ class LocalEngine:
         self._max_len = model.config.max_position_embeddings
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.recompute_on_update, self.num_threads = recompute_on_update, num_threads
+        self.partial_rollout, self.segment_length = partial_rollout, segment_length
+        self._segment_steps = segment_length  # decode steps since the last update; starts at a point
         self.stats: Counter[str] = Counter()  # prompt/cached/generated tokens, steps, preemptions
         self._version = version
         self._stale = False  # weights changed since the running requests' caches were computed
@@ -193,7 +206,9 @@ class LocalEngine:
                         self._cv.wait()
                     if self._closed:
                         break
-                    updates, self._updates = self._updates, []
+                    updates = []
+                    if self._updates and self._may_interrupt():
+                        updates, self._updates = self._updates, []
                     self._queue.extend(self._waiting)
                     self._waiting.clear()
                 for update in updates:
@@ -214,6 +229,12 @@ class LocalEngine:
             update.error = RuntimeError("LocalEngine closed before applying the update")
             update.done.set()
 
+    def _may_interrupt(self) -> bool:
+        """Whether a pending weight update may be applied now (called under the lock)."""
+        if not self._slots.running:
+            return True
+        return self.partial_rollout and self._segment_steps >= self.segment_length
+
     def _apply(self, update: _Update) -> None:
         try:
             unknown = sorted(set(update.state_dict) - set(self.model.state_dict()))
@@ -223,6 +244,7 @@ class LocalEngine:
             self._runner.reload()
             self._version = update.version
             self._stale = True
+            self._segment_steps = 0
         except Exception as exc:  # reported to the caller of update_weights
             update.error = exc
         finally:
@@ -237,7 +259,8 @@ class LocalEngine:
             if slots.running and self.recompute_on_update:
                 self._refill()
         new, starts, widest = [], [], 0
-        while self._queue and len(slots.running) < self.max_batch:
+        draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
+        while self._queue and len(slots.running) < self.max_batch and not draining:
             req = self._queue[0]
             if req.cancelled:
                 self._queue.popleft()
@@ -260,6 +283,7 @@ class LocalEngine:
                 slots.index(req)
             self._retire()
         if slots.running:
+            self._segment_steps += 1
             logits = self._runner.decode([r.tokens[-1] for r in slots.running])
             self._emit(slots.running, logits, version)
             self._retire()

@@ -81,6 +81,8 @@ class AsyncSource:
                  hacking_patterns: tuple[str, ...] = ()):
         self.rollouter, self.batch_tasks, self.group_size = rollouter, batch_tasks, group_size
         self.groups_per_step, self.seed = groups_per_step, cfg.trainer.seed
+        # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
+        self.groups_per_take = max(1, cfg.trainer.ppo_mini_batch_size // group_size)
         self.hacking_patterns = hacking_patterns
         self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
         self.sync_every = cfg.trainer.trigger_parameter_sync_step
@@ -179,7 +181,7 @@ class AsyncSource:
         t = time.perf_counter()
         kept: list[QueuedGroup] = []
         while len(kept) < self.groups_per_step:
-            got = self._take(self.groups_per_step - len(kept))
+            got = self._take(min(self.groups_per_take, self.groups_per_step - len(kept)))
             if self.max_policy_lag is not None:
                 fresh, stale = stale_filter(got, self.version, self.max_policy_lag)
                 if stale:

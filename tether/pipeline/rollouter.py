@@ -2,7 +2,10 @@
 
 Every trajectory gets its own environment instance (its own database copy) and a seed derived from
 (run seed, task id, index in group), so a rollout is reproducible whatever else runs beside it.
-``max_concurrent`` bounds how many episodes are in flight at once (``rollout.worker.max_concurrent_tasks``).
+``max_concurrent`` bounds how many episodes are in flight at once (``rollout.worker.max_concurrent_tasks``);
+``num_workers`` bounds how many of them execute an environment step (tool calls, user simulator, verifier)
+at once (``rollout.worker.num_workers``): the others wait for a free worker, as episodes would for a pool
+of sandboxes. Generation is not counted against workers: the engine batches it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Callable
 from tether.agent.loop import AgentLoopBase
 from tether.env.base import Env
 from tether.metrics import record_metric
+from tether.pipeline.staleness import mask_older_segments
 from tether.types import Group, Task, Trajectory
 
 
@@ -22,18 +26,55 @@ def episode_seed(seed: int, task_id: str, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
+class WorkerPool:
+    """``num_workers`` environment-step slots, shared by every episode of a Rollouter (one semaphore per
+    event loop: a Rollouter may be driven from several loops, e.g. one ``asyncio.run`` per sync batch)."""
+
+    def __init__(self, num_workers: int):
+        if num_workers < 1:
+            raise ValueError(f"rollout.worker.num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._sems: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def slot(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._sems:
+            self._sems = {lp: s for lp, s in self._sems.items() if not lp.is_closed()}
+            self._sems[loop] = asyncio.Semaphore(self.num_workers)
+        return self._sems[loop]
+
+
+class PooledEnv:
+    """An environment whose ``astep`` runs on a worker of the pool; everything else is the env's own."""
+
+    def __init__(self, env: Env, pool: WorkerPool):
+        self._env, self._pool = env, pool
+
+    async def astep(self, action):
+        async with self._pool.slot():
+            return await self._env.astep(action)
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
 class RolloutError(RuntimeError):
     """An episode failed on every attempt (timeout or exception)."""
 
 
 class Rollouter:
     def __init__(self, agent_loop: AgentLoopBase, make_env: Callable[[], Env], *, max_concurrent: int = 128,
-                 timeout_s: float | None = None, retries: int = 0):
+                 timeout_s: float | None = None, retries: int = 0, reuse_policy: str = "all",
+                 num_workers: int | None = None):
         self.agent_loop = agent_loop
         self.make_env = make_env
         self.max_concurrent = max_concurrent
         self.timeout_s = timeout_s  # rollout.worker.task_timeout_s: one episode, all its turns and tools
         self.retries = retries  # rollout.worker.retry_on_failure: further attempts with a fresh env
+        if reuse_policy not in ("all", "on_policy_segment_only"):
+            raise ValueError(f"reuse_policy must be 'all' or 'on_policy_segment_only', got {reuse_policy!r}")
+        self.reuse_policy = reuse_policy  # rollout.partial_rollout.reuse_policy
+        self.workers = WorkerPool(num_workers) if num_workers else None  # None = no bound
 
     async def rollout(self, task: Task, seed: int) -> Trajectory:
         """One episode; a timeout or an exception is retried ``retries`` times, then raised as RolloutError.
@@ -41,9 +82,14 @@ class Rollouter:
         reasons: list[str] = []
         for attempt in range(self.retries + 1):
             env = self.make_env()
+            if self.workers is not None:
+                env = PooledEnv(env, self.workers)
             try:
                 run = self.agent_loop.run(task, env, seed=seed if attempt == 0 else episode_seed(seed, "retry", attempt))
-                return await asyncio.wait_for(run, self.timeout_s)
+                traj = await asyncio.wait_for(run, self.timeout_s)
+                if self.reuse_policy == "on_policy_segment_only":
+                    record_metric("rollout/older_segment_tokens_masked", mask_older_segments(traj), "sum")
+                return traj
             except asyncio.TimeoutError:
                 reasons.append(f"timed out after {self.timeout_s} s")
                 record_metric("rollout/episode_timeouts", 1, "sum")

@@ -40,6 +40,22 @@ def policy_lag(group: Group, current_version: int) -> int | None:
     return None if oldest is None else current_version - oldest
 
 
+def mask_older_segments(traj: Trajectory) -> int:
+    """``reuse_policy: on_policy_segment_only``: of a partial rollout (model tokens of several versions),
+    train only on the segment of its newest version; the older segments stay in the sequence as context.
+    Clears their ``response_mask`` in place (versions and logprobs are kept) and returns how many tokens
+    it removed from training. The lag of the trajectory then counts from that newest segment."""
+    versions = [v for m, v in zip(traj.response_mask, traj.versions) if m == 1 and v >= 0]
+    if not versions or min(versions) == max(versions):
+        return 0
+    newest, masked = max(versions), 0
+    for i, (m, v) in enumerate(zip(traj.response_mask, traj.versions)):
+        if m == 1 and 0 <= v < newest:
+            traj.response_mask[i] = 0
+            masked += 1
+    return masked
+
+
 def stale_filter(groups: Sequence[G], current_version: int, max_policy_lag: int) -> tuple[list[G], list[G]]:
     """Split into ``(kept, dropped)``: dropped when ``policy_lag > max_policy_lag`` (``buffer.stale_filter``).
 

@@ -94,7 +94,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     hacking_patterns = anti.detect_patterns if anti.enabled else []
     worker = cfg.rollout.worker
     rollouter = Rollouter(rt.loop(), rt.make_env, max_concurrent=worker.max_concurrent_tasks,
-                          timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure)
+                          timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
+                          reuse_policy=cfg.rollout.partial_rollout.reuse_policy, num_workers=worker.num_workers)
     evaluator = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
 
     start = 0
