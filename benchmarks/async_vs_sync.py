@@ -48,7 +48,7 @@ policy_optimization:
   kl_control: {type: none}  # no reference forward: keep the workload rollout-dominated
 rollout:
   scheduler: {type: windowed_fifo, window_size: 64}
-  worker: {max_concurrent_tasks: 256}
+  worker: {max_concurrent_tasks: 256, num_workers: 256}  # every episode in flight may wait on a tool
 buffer: {stale_filter: {enabled: true, max_policy_lag: 4}}
 message_queue: {max_queue_size: 512}
 rollouter: {max_queue_size: 512}

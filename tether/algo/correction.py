@@ -31,6 +31,11 @@ whereas ρ̄ is length-invariant (verl's Geo-RS rejection, and GSPO's sequence r
 The *weight* at sequence level is the product (capped), the ratio that makes sequence-level IS unbiased, as in
 TIS/verl ``rollout_is: sequence`` and TRL ``sequence_truncate``.
 
+From the config (``learner.off_policy_correction``): ``double_sided_importance_sampling`` → "double_sided", or
+"double_sided_truncated" with ``tis_enabled``; ``truncated_importance_sampling`` → "truncated"; ``decoupled_ppo`` →
+``decoupled_surrogate`` (``behav_cap`` = C with ``tis_enabled``); ``clip_ratio`` → ε_low = ε_high;
+``token_level_clipping`` → level "token", else "sequence".
+
 ``keep`` is ``mask`` with the rejected tokens set to 0. IcePop keeps rejected tokens in the token-count
 denominator (weight 0, mask unchanged): pass ``weights`` only. Pass ``keep`` as the mask as well to take them
 out of the denominator too (see ``losses.py``).
@@ -162,7 +167,7 @@ def decoupled_surrogate(
     """Decoupled PPO: the clip around π_prox, the behaviour gap corrected by a (truncated) weight.
 
         r = π_θ / π_prox,   w = π_prox / π_behav   (min(w, C) when ``behav_cap`` = C is given)
-        ℓ = w · max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))     Hilton et al. 2021 (arXiv 2110.00641), Eq. 3
+        ℓ = w · max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))     Hilton et al. 2021 (arXiv 2110.00641)
 
     which is ``clipped_surrogate(logp, prox_logp, ...)`` with ``weights = w``. Hilton's objective leaves w
     untruncated; AReaL (arXiv 2505.24298) drops tokens with w above its cap instead of truncating them — that is

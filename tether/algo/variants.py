@@ -34,7 +34,7 @@ def gspo_surrogate(
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO-token: the PPO clip on the length-normalised sequence ratio (Zheng et al. 2025, arXiv 2507.18071).
 
-        s_i     = exp( Σ_t m·(log π_θ − log π_old) / Σ_t m )             sequence ratio (geometric mean), Eq. 7
+        s_i     = exp( Σ_t m·(log π_θ − log π_old) / Σ_t m )             sequence ratio (geometric mean)
         s_{i,t} = sg[s_i] · π_θ(o_{i,t}) / sg[π_θ(o_{i,t})]               value s_i, ∇ = s_i·∇log π_θ(o_{i,t})
         ℓ_{i,t} = max(−A_{i,t}·s_{i,t}, −A_{i,t}·clip(s_{i,t}, 1 − ε_low, 1 + ε_high))
 
@@ -74,7 +74,7 @@ def cispo_surrogate(
     weights: torch.Tensor | None = None,
     max_log_ratio: float = MAX_LOG_RATIO,
 ) -> tuple[torch.Tensor, Metrics]:
-    """CISPO: clip the importance weight, not the update (MiniMax-M1, arXiv 2506.13585, Eq. 4–5).
+    """CISPO: clip the importance weight, not the update (MiniMax-M1, arXiv 2506.13585).
 
         r   = exp(log π_θ − log π_old)
         ℓ   = −sg[clip(r, 1 − ε_low, 1 + ε_high)] · A · log π_θ          ∇ℓ = −clip(r)·A·∇log π_θ
@@ -95,7 +95,7 @@ def cispo_surrogate(
         r > 1 + ε_high with A > 0), ``ratio_mean``, ``ppo_kl``.
     """
     if clip_high < 0.0 or (clip_low is not None and clip_low < 0.0):
-        raise ValueError(f"clip_high and clip_low must be >= 0 (clip_low None = no lower bound), got {clip_high}, {clip_low}")
+        raise ValueError(f"clip_high ({clip_high}) and clip_low ({clip_low}) must be >= 0 (None: no lower bound)")
     if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2:
         raise ValueError(
             f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, mask {tuple(mask.shape)} must be equal [B, L]"
@@ -160,11 +160,12 @@ class AlgorithmSpec:
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(
         clipped_surrogate, "seq_mean_token_mean", "group", 0.2, 0.2, False, kl_coef=0.04,
-        source="GRPO, Shao et al. 2024 (arXiv 2402.03300): per-sequence token mean, group std, ε = 0.2, k3 KL β = 0.04",
+        source="GRPO, Shao et al. 2024 (arXiv 2402.03300): per-sequence token mean, group std, ε = 0.2 (PPO's), k3 KL β = 0.04",
     ),
     "dapo": AlgorithmSpec(
         clipped_surrogate, "token_mean", "group", 0.2, 0.28, True,
-        source="DAPO, Yu et al. 2025 (arXiv 2503.14476): token-level loss, clip-higher 0.2/0.28, dynamic sampling, no KL",
+        source="DAPO, Yu et al. 2025 (arXiv 2503.14476): token-level loss, clip-higher 0.2/0.28, dynamic sampling, "
+        "no KL",
     ),
     "dr_grpo": AlgorithmSpec(
         clipped_surrogate, "seq_mean_token_sum_norm", "none", 0.2, 0.2, False,
@@ -177,7 +178,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "cispo": AlgorithmSpec(
         cispo_surrogate, "token_mean", "group", None, 4.0, False,
         source="CISPO, MiniMax 2025 (arXiv 2506.13585): token-level, no lower bound; ε_high = 4 is ScaleRL's "
-        "absolute cap 5 (arXiv 2510.13786) in the relative convention (the paper does not state its value)",
+        "absolute cap 5 (arXiv 2510.13786) in the relative convention (the paper only says ε_high was tuned)",
     ),
     "grpo_variant": AlgorithmSpec(
         clipped_surrogate, "token_mean", "batch", 0.2, 0.28, True,

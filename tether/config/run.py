@@ -80,8 +80,35 @@ class RunConfig(Section):
             "(a group is trained as a unit)",
             **{"learner.batch_size": b, "policy_optimization.advantage.group_size": g},
         )
+        self._algorithm_defaults()
         _name_secrets(self, "")
         return self
+
+    def _algorithm_defaults(self) -> None:
+        """``policy_optimization.algorithm`` fills the keys the config leaves unset with its recipe's values,
+        so that the dump (and ``tether config``) shows what will run."""
+        from tether.algo.variants import algorithm_spec  # noqa: PLC0415 — torch, only when a config is built
+
+        po = self.policy_optimization
+        spec = algorithm_spec(po.algorithm)
+        ex, adv, kl = po.exploration, po.advantage, po.kl_control
+        unset = lambda section, key: key not in section.model_fields_set  # noqa: E731
+        if unset(po, "loss_agg_mode") or po.loss_agg_mode is None:
+            po.loss_agg_mode = spec.agg_mode
+        if unset(po, "clip_ratio_low") and po.algorithm == "gspo":  # a sequence ratio: its own scale
+            po.clip_ratio_low = spec.clip_low
+        if unset(ex, "clip_higher"):
+            ex.clip_higher = spec.clip_high
+        if unset(ex, "entropy_coef"):
+            ex.entropy_coef = spec.entropy_coef
+        if unset(adv, "normalization"):
+            adv.normalization = spec.normalization
+        if unset(adv.degenerate_group_filter, "enabled"):
+            adv.degenerate_group_filter.enabled = spec.filter_degenerate_groups
+        if spec.kl_coef == 0.0 and unset(kl, "type"):
+            kl.type = "none"
+        elif spec.kl_coef > 0.0 and unset(kl, "init_coef"):
+            kl.init_coef = spec.kl_coef
 
     def _one_partial_rollout_switch(self) -> None:
         """``rollouter.partial_rollout`` (fully_async_ppo.yaml) and ``rollout.partial_rollout.enabled``

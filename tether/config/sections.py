@@ -228,6 +228,8 @@ class OffPolicyCorrectionConfig(Section):
     """Clip per token rather than per sequence."""
     tis_enabled: bool = True
     """Truncated importance sampling of the rollout/train logprob mismatch."""
+    tis_cap: PosFloat = 2.0
+    """TIS cap C: importance weights above it are truncated to it (verl's rollout_is_threshold)."""
 
 
 class LearnerConfig(Section):
@@ -273,8 +275,9 @@ class ExplorationConfig(Section):
 
     entropy_coef: NonNegFloat = 0.01
     """Entropy bonus coefficient."""
-    clip_higher: OpenUnit = 0.28
-    """Upper clip epsilon (DAPO clip-higher), in (0, 1)."""
+    clip_higher: PosFloat = 0.28
+    """Upper clip epsilon ε_high of the policy ratio (DAPO clip-higher); the algorithm's default when unset
+    (GSPO 4e-4, CISPO 4.0)."""
     diversity_bonus: DiversityBonusConfig = DiversityBonusConfig()
     """Diversity bonus."""
 
@@ -340,6 +343,8 @@ class KLControlConfig(Section):
     """KL estimator (Schulman's k1/k2/k3)."""
     init_coef: NonNegFloat = 0.001
     """Initial KL coefficient."""
+    horizon: PosInt = 10_000
+    """Adaptive controller horizon, in trajectories: β moves by at most 20 % × batch_size / horizon per step."""
 
     @model_validator(mode="after")
     def _max_above_target(self) -> KLControlConfig:
@@ -367,7 +372,11 @@ class PolicyOptimConfig(Section):
     """The policy-gradient objective and its controls."""
 
     algorithm: Literal["grpo_variant", "grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo_variant"
-    """Loss variant."""
+    """Loss variant; its defaults (tether.algo.variants.ALGORITHMS) fill the keys the config leaves unset."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = None
+    """Per-token loss → scalar; None = the algorithm's."""
+    clip_ratio_low: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """Lower clip ε_low of the policy ratio; None = learner.off_policy_correction.clip_ratio (GSPO: 3e-4)."""
     exploration: ExplorationConfig = ExplorationConfig()
     """Exploration controls."""
     advantage: AdvantageConfig = AdvantageConfig()

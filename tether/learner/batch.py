@@ -29,6 +29,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [B, T] float32, 1 on model-sampled response tokens only
     old_logp: torch.Tensor  # [B, T] float32, behaviour logprob of token t (0 where loss_mask is 0)
     advantages: torch.Tensor  # [B] float32, one advantage per trajectory
+    prox_logp: torch.Tensor | None = None  # [B, T] float32, the learner's logprob of token t at the step's start
 
     @classmethod
     def from_trajectories(
@@ -79,13 +80,17 @@ class TrainBatch:
         if not 0 <= start < stop <= len(self):
             raise ValueError(f"rows {start}:{stop} out of range for a batch of {len(self)}")
         length = int(self.attention_mask[start:stop].sum(dim=1).max())
-        return TrainBatch(
-            **{
-                f.name: getattr(self, f.name)[start:stop] if f.name == "advantages"
-                else getattr(self, f.name)[start:stop, :length]
-                for f in fields(self)
-            }
-        )
+        def cut(name: str) -> torch.Tensor | None:
+            value = getattr(self, name)
+            if value is None:
+                return None
+            return value[start:stop] if name == "advantages" else value[start:stop, :length]
+
+        return TrainBatch(**{f.name: cut(f.name) for f in fields(self)})
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
 
     def split(self, n: int) -> list[TrainBatch]:
         """``n`` consecutive equal parts, in order, each padded only to its own longest sequence."""

@@ -12,16 +12,22 @@ One optimizer update: for each micro-batch, forward the policy, take log_softmax
 tokens (T = ``engine.temperature``, the rollout engine's definition; T = 0, greedy, is scored at T = 1 as the
 engine does), and back-propagate
 
-    loss = agg(policy_loss_fn(logp, old_logp, A, mask)) − entropy_coef · agg(H) + kl_coef · agg(KL̂(π_θ ‖ π_ref))
+    loss = agg(policy_loss_fn(logp, prox_logp, A, mask, weights=w)) − entropy_coef · agg(H)
+           + kl_coef · agg(KL̂(π_θ ‖ π_ref))
+
+where the loss, its aggregation and the off-policy correction w come from the config (``objective.py``): with a
+correction, π_prox is the policy at the start of the step (one forward without grad before the first update) and
+w = f(π_prox / π_behav) corrects for the engine's behaviour policy; without one, prox_logp = the behaviour logprobs.
 
 where every ``agg`` divides by the *whole mini-batch's* denominator (``tether.algo.loss_denominator`` summed over
 its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch.
 Then clip, and step AdamW unless something was non-finite (``optim.PolicyOptimizer``).
 
 Mini-batches are taken in the order the trajectories were given (no shuffling), so a group stays together
-and a run is reproducible. ``policy_loss_fn``, ``kl_coef`` and ``loss_agg_mode`` are plain attributes: an
-off-policy correction or loss variant replaces ``policy_loss_fn`` (any ``tether.algo.PolicyLossFn``), an
-adaptive KL controller sets ``kl_coef`` between steps.
+and a run is reproducible. ``policy_loss_fn`` and ``loss_agg_mode`` are plain attributes (any
+``tether.algo.PolicyLossFn`` may replace the loss). ``kl_coef`` is the KL controller's value: fixed, or steered
+towards ``kl_control.target_kl`` after every step (``tether.algo.kl_control``); once an update of a step measures
+a KL above ``kl_control.max_kl`` the step's remaining updates are skipped (``optim/kl_guard_stops``).
 
 Metrics of a step (returned and recorded):
     optim/loss             mean over updates of the mini-batch loss (pg − entropy + KL terms)
@@ -30,10 +36,13 @@ Metrics of a step (returned and recorded):
     optim/kl_divergence    mean per-token value of the configured estimator (k1/k2/k3) of KL(π_θ ‖ π_ref) over
                            the model tokens; absent when KL is off
     optim/kl_coef          the coefficient used (0 when KL is off)
+    optim/is_ratio_mean    mean π_prox/π_behav over the model tokens, and
+    optim/is_masked_fraction  the fraction the correction masked out (only with a correction)
     optim/clip_ratio_low   fraction of model tokens whose clip was active (r < 1 − ε_low, A < 0), and
     optim/clip_ratio_high  (r > 1 + ε_high, A > 0), as ``clipped_surrogate`` counts them
     optim/lr               the lr of the step's last update
     optim/skipped_steps    updates skipped for a non-finite loss/gradient, cumulative over the run
+    optim/kl_guard_stops   steps cut short by the max-KL guard, cumulative over the run
     perf/tokens_per_s      non-pad tokens forwarded and back-propagated (× passes) / wall time of the step
 Per-token metrics are averaged over micro-batches weighted by their model-token counts.
 """
@@ -41,7 +50,6 @@ Per-token metrics are averaged over micro-batches weighted by their model-token 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import time
@@ -53,7 +61,6 @@ import torch
 from tether.algo import (
     PolicyLossFn,
     aggregate,
-    clipped_surrogate,
     entropy_bonus,
     entropy_from_logits,
     kl_penalty,
@@ -61,15 +68,17 @@ from tether.algo import (
     loss_denominator,
 )
 from tether.algo.aggregation import AggMode
+from tether.algo.kl_control import exceeds_max_kl, kl_controller
 from tether.config import RunConfig
 from tether.learner.batch import TrainBatch
+from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
 from tether.metrics import record_metric
 from tether.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps"}  # metrics that are a state, not an average
+_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}  # metrics that are a state, not an average
 
 
 class Learner:
@@ -88,14 +97,17 @@ class Learner:
         self.epochs = lc.update_frequency
         self.temperature = cfg.engine.temperature if cfg.engine.temperature > 0 else 1.0
         self.entropy_coef = po.exploration.entropy_coef
-        self.loss_agg_mode: AggMode = "token_mean"
+        self.objective = Objective.from_config(cfg)
+        self.loss_agg_mode: AggMode = self.objective.agg_mode
         self.norm_len: int | None = None  # Dr. GRPO's constant; None = longest response of the step
-        self.policy_loss_fn: PolicyLossFn = functools.partial(
-            clipped_surrogate, clip_low=lc.off_policy_correction.clip_ratio, clip_high=po.exploration.clip_higher
-        )
-        kl_on = po.kl_control.type != "none"
-        self.kl_estimator = po.kl_control.estimator
-        self.kl_coef = po.kl_control.init_coef if kl_on else 0.0
+        self.policy_loss_fn: PolicyLossFn = self.objective.policy_loss
+        kc = po.kl_control
+        kl_on = kc.type != "none"
+        self.kl_estimator = kc.estimator
+        self.kl_control = kl_controller(adaptive=kc.adaptive and kl_on, init_coef=kc.init_coef if kl_on else 0.0,
+                                        target_kl=kc.target_kl, horizon=kc.horizon)
+        self.max_kl = kc.max_kl if kl_on else None
+        self.kl_guard_stops = 0
         self.ref_model = None
         if kl_on:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
@@ -104,6 +116,14 @@ class Learner:
         self.pad_id = _pad_id(model)
         self.version = 0  # trainer steps completed
         log.info("learner: %s", self.describe())
+
+    @property
+    def kl_coef(self) -> float:
+        return self.kl_control.value
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:  # a checkpoint restores the controller's state
+        self.kl_control.value = float(value)
 
     # ------------------------------------------------------------------------------------------ totals
 
@@ -133,32 +153,59 @@ class Learner:
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
+        if self.objective.needs_prox:
+            batch.prox_logp = self._score(batch, device)
         norm_len = self.norm_len or max(len(t.response_ids) for t in trajectories) or 1
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
+        kl_coef = self.kl_coef
         self.model.train()
+        stopped = False
         for _ in range(self.epochs):
             for mini in batch.split(self.updates_per_pass):
-                self._update(mini, device, norm_len, acc)
+                if stopped:
+                    break
+                kl = self._update(mini, device, norm_len, acc)
+                stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)
+        self.kl_guard_stops += stopped
         self.version += 1
         elapsed = time.perf_counter() - t0
 
         metrics = {name: _weighted_mean(vals) for name, vals in acc.items()}
         metrics.setdefault("optim/grad_norm", math.nan)  # every update of the step was skipped
-        metrics["optim/kl_coef"] = float(self.kl_coef)
+        metrics["optim/kl_coef"] = float(kl_coef)
+        metrics["optim/kl_guard_stops"] = float(self.kl_guard_stops)
         metrics["optim/skipped_steps"] = float(self.optimizer.skipped_steps)
+        if math.isfinite(metrics.get("optim/kl_divergence", math.nan)):  # β for the next step
+            self.kl_control.update(metrics["optim/kl_divergence"], n_steps=len(trajectories))
         metrics["perf/tokens_per_s"] = batch.num_tokens * self.epochs / max(elapsed, 1e-9)
         for name, value in metrics.items():
             record_metric(name, value, reduce="last" if name in _LAST else "mean")
         return metrics
 
+    def _score(self, batch: TrainBatch, device: torch.device) -> torch.Tensor:
+        """log π(token t) under the current weights, [B, T] laid out as ``old_logp`` (0 where the mask is 0)."""
+        out = torch.zeros_like(batch.old_logp)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for start in range(0, len(batch), self.micro_batch_size):
+                mb = batch.slice(start, min(start + self.micro_batch_size, len(batch))).to(device)
+                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+                logp = logprobs_from_logits(logits[:, :-1], mb.input_ids[:, 1:], self.temperature)  # [b, t-1]
+                out[start:start + len(mb), 1:mb.input_ids.shape[1]] = logp.float().cpu() * mb.loss_mask[:, 1:].cpu()
+        self.model.train(was_training)
+        return out
+
     def _update(self, mini: TrainBatch, device: torch.device, norm_len: int,
-                acc: dict[str, list[tuple[float, float]]]) -> None:
-        """One optimizer update on a mini-batch, accumulated over its micro-batches."""
-        micros = [_to(mb, device) for mb in mini.split(self.gradient_accumulation_steps)]
+                acc: dict[str, list[tuple[float, float]]]) -> float | None:
+        """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
+        reference that it measured, None when KL is off or the update was skipped."""
+        micros = [mb.to(device) for mb in mini.split(self.gradient_accumulation_steps)]
         # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
         denom = sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros)
         self.optimizer.zero_grad()
         total = torch.zeros((), device=device)
+        kl: list[tuple[float, float]] = []
         for mb in micros:
             loss, tok_metrics = self._micro_loss(mb, denom, norm_len)
             loss.backward()
@@ -166,27 +213,33 @@ class Learner:
             n_tok = float(mb.loss_mask.sum())
             for name, value in tok_metrics.items():
                 acc[name].append((float(value), n_tok))
+            if "optim/kl_divergence" in tok_metrics:
+                kl.append((float(tok_metrics["optim/kl_divergence"]), n_tok))
         result = self.optimizer.update(loss_is_finite=bool(torch.isfinite(total)))
         acc["optim/loss"].append((float(total), 1.0))
         acc["optim/lr"] = [(result.lr, 1.0)]
         if result.applied:  # the mean grad norm is over applied updates; a skipped one shows in skipped_steps
             acc["optim/grad_norm"].append((result.grad_norm, 1.0))
+        return _weighted_mean(kl) if kl and result.applied else None  # a skipped update moved nothing
 
     def _micro_loss(self, mb: TrainBatch, denom: torch.Tensor,
                     norm_len: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the mini-batch loss, and its per-token metrics."""
         ids = mb.input_ids[:, 1:]  # [b, T-1] targets: logits at t-1 predict token t
         mask = mb.loss_mask[:, 1:]  # [b, T-1]
-        old_logp = mb.old_logp[:, 1:]  # [b, T-1]
+        behav_logp = mb.old_logp[:, 1:]  # [b, T-1] the engine's
+        prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else behav_logp  # [b, T-1]
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         logits = logits[:, :-1]  # [b, T-1, V]
         logp = logprobs_from_logits(logits, ids, self.temperature)  # [b, T-1]
         agg = dict(mode=self.loss_agg_mode, denom=denom,
                    norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
 
-        pg_tok, m_pg = self.policy_loss_fn(logp, old_logp, mb.advantages, mask)  # [b, T-1]
+        weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if mb.prox_logp is not None else (None, {})
+        pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]
         loss = aggregate(pg_tok, mask, **agg)
         metrics = {f"optim/{k}": m_pg[k] for k in ("clip_ratio_low", "clip_ratio_high") if k in m_pg}
+        metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
 
         with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits, self.temperature)  # [b, T-1]
@@ -221,11 +274,6 @@ def _pad_id(model: torch.nn.Module) -> int:
         if value is not None:
             return int(value)
     return 0  # any id works: padding is masked out of attention and of the loss
-
-
-def _to(mb: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device),
-                      mb.old_logp.to(device), mb.advantages.to(device))
 
 
 def _weighted_mean(values: list[tuple[float, float]]) -> float:

@@ -1,0 +1,96 @@
+"""The learner's objective from the config: off-policy correction against π_prox, adaptive KL, the max-KL guard."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from test_learner import advantages, base_model, make_cfg, make_trajectories  # noqa: F401 — fixture
+from tether.learner.learner import Learner
+
+torch.set_num_threads(1)
+
+
+def own_logprobs(model, trajs, temperature=1.0):
+    """Behaviour logprobs as the engine would record them for ``model`` (on-policy)."""
+    with torch.no_grad():
+        for t in trajs:
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1] / temperature, dim=-1)
+            picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(t.prompt_ids) - 1:]
+            t.logprobs = [float(lp) if m else 0.0 for lp, m in zip(picked, t.response_mask)]
+    return trajs
+
+
+def params_after_one_step(model, cfg, trajs):
+    learner = Learner(copy.deepcopy(model), None, cfg)
+    metrics = learner.train_step(trajs, advantages(len(trajs)))
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize("method", ["double_sided_importance_sampling", "truncated_importance_sampling",
+                                    "decoupled_ppo"])
+def test_correction_on_policy_is_plain_grpo(base_model, method):
+    # behaviour = the learner's own policy: every weight is ρ = 1 (up to float noise), nothing masked, and the
+    # update equals the uncorrected one
+    trajs = own_logprobs(base_model, make_trajectories(8, seed=2))
+    plain, _ = params_after_one_step(base_model, make_cfg(), copy.deepcopy(trajs))
+    corrected, m = params_after_one_step(base_model, make_cfg(correction=method, tis=True), copy.deepcopy(trajs))
+    assert abs(m["optim/is_ratio_mean"] - 1.0) < 1e-5 and m["optim/is_masked_fraction"] == 0.0
+    # Adam's first step is ≈ lr·g/|g| per weight: float noise in tiny gradients moves a weight by a fraction of lr
+    assert max((plain[n] - corrected[n]).abs().max().item() for n in plain) < 1e-2 * 1e-3
+
+
+def test_double_sided_masks_exactly_the_tokens_outside_the_band(base_model):
+    # stale behaviour: on every other model token log π_behav = log π_prox + 0.5, so ρ = e^-0.5 = 0.607 < 0.8
+    trajs = own_logprobs(base_model, make_trajectories(8, seed=3))
+    shifted = total = 0
+    for t in trajs:
+        k = 0
+        for i, m in enumerate(t.response_mask):
+            if m:
+                total += 1
+                if k % 2 == 0:
+                    t.logprobs[i] += 0.5
+                    shifted += 1
+                k += 1
+    learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction="double_sided_importance_sampling"))
+    m = learner.train_step(trajs, advantages(8))
+    assert m["optim/is_masked_fraction"] == pytest.approx(shifted / total, abs=1e-6)
+    # ρ mean over the model tokens: (shifted · e^-0.5 + (total − shifted) · 1) / total
+    assert m["optim/is_ratio_mean"] == pytest.approx((shifted * math.exp(-0.5) + total - shifted) / total, abs=1e-4)
+    # nothing left when every token is outside the band: no gradient at all, loss 0
+    for t in trajs:
+        t.logprobs = [lp + 0.5 if msk else 0.0 for lp, msk in zip(own_logprobs(base_model, [copy.deepcopy(t)])[0].logprobs,
+                                                                  t.response_mask)]
+    learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction="double_sided_importance_sampling",
+                                                                entropy_coef=0.0, kl="none"))
+    m = learner.train_step(trajs, advantages(8))
+    assert m["optim/is_masked_fraction"] == pytest.approx(1.0) and m["optim/loss"] == 0.0
+
+
+def test_adaptive_kl_coefficient_follows_the_proportional_rule(base_model):
+    # horizon 8 = one batch: β ← β·(1 + clip(KL/target − 1, ±0.2)·8/8)
+    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, adaptive=True, horizon=8, target_kl=1e-3,
+                                                                lr=1e-2))
+    m1 = learner.train_step(make_trajectories(8), advantages(8))
+    assert m1["optim/kl_coef"] == 0.05  # the coefficient used in step 1
+    err = min(max(m1["optim/kl_divergence"] / 1e-3 - 1.0, -0.2), 0.2)
+    assert learner.kl_coef == pytest.approx(0.05 * (1 + err))
+    m2 = learner.train_step(make_trajectories(8, seed=1), advantages(8, seed=1))
+    assert m2["optim/kl_coef"] == pytest.approx(0.05 * (1 + err))
+
+
+def test_max_kl_guard_stops_the_rest_of_the_step(base_model):
+    # 3 epochs × 2 mini-batches = 6 updates; the first measures KL = 0 (policy = reference), the second measures
+    # the drift of the first update, far above 1e-6: the remaining 4 updates are skipped
+    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, epochs=3, lr=1e-2, max_kl=1e-6,
+                                                                target_kl=1e-7))
+    m = learner.train_step(make_trajectories(8), advantages(8))
+    assert learner.optimizer.num_updates == 2 and m["optim/kl_guard_stops"] == 1.0
+    unguarded = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, epochs=3, lr=1e-2))
+    m = unguarded.train_step(make_trajectories(8), advantages(8))
+    assert unguarded.optimizer.num_updates == 6 and m["optim/kl_guard_stops"] == 0.0
