@@ -43,7 +43,7 @@ engine: {max_tokens: 8, temperature: 1.0}
 agent_loop: {max_assistant_turns: 4, max_user_turns: 4}
 learner: {batch_size: 32, mini_batch_size: 32, gradient_accumulation_steps: 1, update_frequency: 1}
 policy_optimization:
-  advantage: {group_size: 4, normalization: group}
+  advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}  # same work per mode
   optimizer: {lr: 1e-4, warmup_steps: 0}
   kl_control: {type: none}  # no reference forward: keep the workload rollout-dominated
 rollout:

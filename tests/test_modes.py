@@ -18,7 +18,7 @@ engine: {max_tokens: 12, temperature: 1.0}
 agent_loop: {max_assistant_turns: 2, max_user_turns: 2}
 learner: {batch_size: 8, mini_batch_size: 8, gradient_accumulation_steps: 1, update_frequency: 1}
 policy_optimization:
-  advantage: {group_size: 4, normalization: group}
+  advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}
   optimizer: {lr: 1e-3, warmup_steps: 0}
 trainer: {total_steps: 3, eval_every: 0, save_every: 3, seed: 3, trigger_parameter_sync_step: 1}
 metrics: {tensorboard: false}
@@ -112,3 +112,32 @@ def test_episode_timeout_is_retried_then_reported():
     calls.clear()
     with pytest.raises(RolloutError, match=r"all 2 attempts failed: timed out after 0.05 s; timed out"):
         asyncio.run(Rollouter(Loop(), Env, timeout_s=0.05, retries=1).rollout(task, seed=7))
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_shaping_runs_through_the_training_loop(setup, mode):
+    """Filter, diversity bonus and adaptive allocation on, end to end: what is trained is never degenerate,
+    group sizes follow the allocation, the step total stays at batch_size until groups are dropped."""
+    root, model = setup
+    cfg = load_config([root / "cfg.yaml"], [
+        f"model.path={model}", f"rollout.mode={mode}", "trainer.total_steps=4", "trainer.save_every=0",
+        "policy_optimization.advantage.degenerate_group_filter.enabled=true",
+        "policy_optimization.advantage.degenerate_group_filter.min_reward_std=0.01",
+        "policy_optimization.advantage.degenerate_group_filter.resample_attempts=1",
+        "policy_optimization.rollout_allocation.strategy=adaptive",
+        "policy_optimization.rollout_allocation.reallocation_interval=1",
+        "policy_optimization.rollout_allocation.max_rollouts_per_prompt=6",
+        "policy_optimization.exploration.diversity_bonus.coef=0.05"])
+    train(cfg, root / f"shaping-{mode}", show_progress=False)
+    rows = [json.loads(l) for l in (root / f"shaping-{mode}" / "metrics.jsonl").read_text().splitlines()][1:]
+    samples = [json.loads(l) for l in (root / f"shaping-{mode}" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and len(samples) == 4
+    for r, s in zip(rows, samples):
+        assert 0.0 <= r["optim/degenerate_group_ratio_before_filter"] <= 1.0
+        assert r["rollout/trained_trajectories"] == sum(s["group_sizes"])
+        assert all(2 <= n <= 6 for n in s["group_sizes"])
+        if "optim/degenerate_group_ratio" in r:  # the trained groups: none degenerate after the filter
+            assert r["optim/degenerate_group_ratio"] == 0.0
+        assert "rollout/semantic_cluster_count" in r and "reward/diversity_bonus_mean" in r
+    if mode == "sync":  # after step 1 the allocation moved away from 4 per task, at the same total (8)
+        assert any(set(s["group_sizes"]) != {4} for s in samples[1:])

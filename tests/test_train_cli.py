@@ -19,7 +19,7 @@ engine: {max_tokens: 12, temperature: 1.0}
 agent_loop: {max_assistant_turns: 2, max_user_turns: 2}
 learner: {batch_size: 8, mini_batch_size: 4, gradient_accumulation_steps: 2, update_frequency: 1}
 policy_optimization:
-  advantage: {group_size: 4, normalization: group}
+  advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}
   optimizer: {lr: 1e-3, warmup_steps: 0}
 trainer: {total_steps: 3, eval_every: 0, save_every: 1, seed: 5}
 llm_client: {api_key: "${TETHER_TEST_SECRET}"}

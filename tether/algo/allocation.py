@@ -152,5 +152,9 @@ class TaskRewardWindow:
             return None
         return gradient_variance_proxy(list(rewards))
 
+    def task_ids(self) -> list[Hashable]:
+        """Every task id seen so far, in order of first appearance."""
+        return list(self._rewards)
+
     def proxies(self, task_ids: Iterable[Hashable]) -> list[float | None]:
         return [self.proxy(t) for t in task_ids]

@@ -73,6 +73,7 @@ class RunConfig(Section):
             rq.max_queue_size = mq.max_queue_size = (rq if rq_set else mq).max_queue_size
         self._one_partial_rollout_switch()
         self._trainer_step_size()
+        self._one_group_size()
         b, g = self.learner.batch_size, self.policy_optimization.advantage.group_size
         _check(
             b % g == 0,
@@ -83,6 +84,26 @@ class RunConfig(Section):
         self._algorithm_defaults()
         _name_secrets(self, "")
         return self
+
+    def _one_group_size(self) -> None:
+        """``rollout_allocation.base_rollouts_per_prompt`` and ``advantage.group_size`` are the rollouts a task gets
+        before any reallocation: set on one side it sets both; set on both they must agree."""
+        adv, ra = self.policy_optimization.advantage, self.policy_optimization.rollout_allocation
+        g_set, b_set = "group_size" in adv.model_fields_set, "base_rollouts_per_prompt" in ra.model_fields_set
+        if g_set and b_set:
+            _check(adv.group_size == ra.base_rollouts_per_prompt,
+                   "policy_optimization.advantage.group_size and rollout_allocation.base_rollouts_per_prompt are "
+                   "one number (rollouts per task before reallocation): make them equal",
+                   **{"policy_optimization.advantage.group_size": adv.group_size,
+                      "policy_optimization.rollout_allocation.base_rollouts_per_prompt": ra.base_rollouts_per_prompt})
+        elif b_set:
+            adv.group_size = ra.base_rollouts_per_prompt
+        else:
+            ra.base_rollouts_per_prompt = adv.group_size
+        _check(ra.max_rollouts_per_prompt >= ra.base_rollouts_per_prompt,
+               "max_rollouts_per_prompt must be >= base_rollouts_per_prompt (= advantage.group_size)",
+               **{"policy_optimization.rollout_allocation.max_rollouts_per_prompt": ra.max_rollouts_per_prompt,
+                  "policy_optimization.advantage.group_size": adv.group_size})
 
     def _algorithm_defaults(self) -> None:
         """``policy_optimization.algorithm`` fills the keys the config leaves unset with its recipe's values,

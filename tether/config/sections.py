@@ -312,20 +312,13 @@ class RolloutAllocationConfig(Section):
     strategy: Literal["fixed", "adaptive"] = "adaptive"
     """Same count for every prompt, or more for prompts with more signal."""
     base_rollouts_per_prompt: PosInt = 8
-    """Rollouts per prompt before reallocation."""
+    """Rollouts per prompt before reallocation; the same number as advantage.group_size (set either)."""
     max_rollouts_per_prompt: PosInt = 32
     """Upper bound of rollouts per prompt; >= base_rollouts_per_prompt."""
     allocation_metric: Literal["gradient_variance_proxy"] = "gradient_variance_proxy"
     """Signal used to reallocate."""
     reallocation_interval: PosInt = 100
     """Trainer steps between reallocations."""
-
-    @model_validator(mode="after")
-    def _max_above_base(self) -> RolloutAllocationConfig:
-        b, m = self.base_rollouts_per_prompt, self.max_rollouts_per_prompt
-        rule = "max_rollouts_per_prompt must be >= base_rollouts_per_prompt"
-        _check(m >= b, rule, max_rollouts_per_prompt=m, base_rollouts_per_prompt=b)
-        return self
 
 
 class KLControlConfig(Section):

@@ -93,8 +93,10 @@ class TrainBatch:
                              for f in fields(self)})
 
     def split(self, n: int) -> list[TrainBatch]:
-        """``n`` consecutive equal parts, in order, each padded only to its own longest sequence."""
-        if n <= 0 or len(self) % n != 0:
-            raise ValueError(f"cannot split a batch of {len(self)} trajectories into {n} equal parts")
-        size = len(self) // n
-        return [self.slice(i * size, (i + 1) * size) for i in range(n)]
+        """``n`` consecutive parts, in order, as equal as possible (sizes differ by at most one, larger first),
+        each padded only to its own longest sequence."""
+        if not 0 < n <= len(self):
+            raise ValueError(f"cannot split a batch of {len(self)} trajectories into {n} non-empty parts")
+        size, extra = divmod(len(self), n)
+        bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        return [self.slice(bounds[i], bounds[i + 1]) for i in range(n)]

@@ -2,7 +2,9 @@
 
 Batch vocabulary (``learner`` section; every unit is *trajectories*):
 
-    batch_size                   trajectories per trainer step (``train_step`` must receive exactly this many)
+    batch_size                   trajectories per trainer step (``train_step`` takes any number: the degenerate-group
+                                 filter can drop groups and adaptive allocation varies group sizes; the number of
+                                 updates is then ceil(n / mini_batch_size), in near-equal mini-batches)
     mini_batch_size              trajectories per optimizer update → batch_size / mini_batch_size updates per pass
     gradient_accumulation_steps  micro-batches per mini-batch → micro-batch = mini_batch_size / accumulation
     update_frequency             passes (PPO epochs) over the batch per trainer step; 1 = each trajectory is
@@ -146,10 +148,9 @@ class Learner:
 
     def train_step(self, trajectories: Sequence[Trajectory],
                    advantages: Sequence[float] | torch.Tensor) -> dict[str, float]:
-        """Train on exactly ``batch_size`` trajectories (one advantage each); returns and records the metrics."""
-        if len(trajectories) != self.batch_size:
-            raise ValueError(f"train_step got {len(trajectories)} trajectories; learner.batch_size is "
-                             f"{self.batch_size} (a trainer step takes exactly that many)")
+        """Train on ``trajectories`` (one advantage each; nominally ``batch_size``); returns and records the metrics."""
+        if not trajectories:
+            raise ValueError("train_step got no trajectories")
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
@@ -161,7 +162,7 @@ class Learner:
         self.model.train()
         stopped = False
         for _ in range(self.epochs):
-            for mini in batch.split(self.updates_per_pass):
+            for mini in batch.split(-(-len(batch) // self.mini_batch_size)):
                 if stopped:
                     break
                 kl = self._update(mini, device, norm_len, acc)
@@ -200,7 +201,7 @@ class Learner:
                 acc: dict[str, list[tuple[float, float]]]) -> float | None:
         """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
         reference that it measured, None when KL is off or the update was skipped."""
-        micros = [mb.to(device) for mb in mini.split(self.gradient_accumulation_steps)]
+        micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, len(mini)))]
         # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
         denom = sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros)
         self.optimizer.zero_grad()

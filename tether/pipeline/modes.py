@@ -30,6 +30,8 @@ from tether.types import Group, Task
 
 log = logging.getLogger(__name__)
 
+Sizes = Callable[[list[Task]], list[int]]  # rollouts per task of a step (rollout_allocation)
+
 
 class BatchSource(Protocol):
     last_wait_s: float  # how long the last next_batch call waited for rollouts
@@ -48,16 +50,17 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class SyncSource:
-    def __init__(self, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]], group_size: int, seed: int,
+    def __init__(self, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]], sizes: Sizes, seed: int,
                  hacking_patterns: tuple[str, ...] = (), start_step: int = 0):
-        self.rollouter, self.batch_tasks, self.group_size, self.seed = rollouter, batch_tasks, group_size, seed
+        self.rollouter, self.batch_tasks, self.sizes, self.seed = rollouter, batch_tasks, sizes, seed
         self.hacking_patterns = hacking_patterns
         self.version = start_step
         self.last_wait_s = 0.0
 
     def next_batch(self, step: int) -> list[Group]:
         t = time.perf_counter()
-        groups = asyncio.run(self.rollouter.groups(self.batch_tasks(step), self.group_size, step_seed(self.seed, step)))
+        tasks = self.batch_tasks(step)
+        groups = asyncio.run(self.rollouter.groups(tasks, self.sizes(tasks), step_seed(self.seed, step)))
         elapsed = time.perf_counter() - t
         trajs = [tr for g in groups for tr in g.trajectories]
         record_rollout_metrics(trajs, elapsed, self.hacking_patterns)
@@ -77,9 +80,9 @@ class AsyncSource:
     """A rollouter running in a background thread (its own event loop), feeding the MessageQueue."""
 
     def __init__(self, cfg: RunConfig, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]],
-                 group_size: int, groups_per_step: int, *, start_step: int, max_staleness: int,
+                 sizes: Sizes, group_size: int, groups_per_step: int, *, start_step: int, max_staleness: int,
                  hacking_patterns: tuple[str, ...] = ()):
-        self.rollouter, self.batch_tasks, self.group_size = rollouter, batch_tasks, group_size
+        self.rollouter, self.batch_tasks, self.sizes, self.group_size = rollouter, batch_tasks, sizes, group_size
         self.groups_per_step, self.seed = groups_per_step, cfg.trainer.seed
         # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
         self.groups_per_take = max(1, cfg.trainer.ppo_mini_batch_size // group_size)
@@ -122,24 +125,25 @@ class AsyncSource:
         step = self.start_step
         while not self._stop.is_set():
             step += 1
-            for task in self.batch_tasks(step):
+            tasks = self.batch_tasks(step)
+            for task, size in zip(tasks, self.sizes(tasks)):
                 seq = None
                 while seq is None and not self._stop.is_set():
                     seq = await self.admission.wait_to_start_async(timeout=0.2)
                 if seq is None:
                     break
                 await sem.acquire()
-                job = asyncio.create_task(self._one(task, step, seq, sem))
+                job = asyncio.create_task(self._one(task, size, step, seq, sem))
                 pending.add(job)
                 job.add_done_callback(pending.discard)
         for job in pending:
             job.cancel()
 
-    async def _one(self, task: Task, step: int, seq: int, sem: asyncio.Semaphore) -> None:
+    async def _one(self, task: Task, size: int, step: int, seq: int, sem: asyncio.Semaphore) -> None:
         self._mark(+1)
         start_version = self.version
         try:
-            group = await self.rollouter.group(task, self.group_size, step_seed(self.seed, step))
+            group = await self.rollouter.group(task, size, step_seed(self.seed, step))
             self.queue.put(QueuedGroup(group, seq, start_version))
         except RolloutError as e:  # counted and logged; the window and the admission count move on
             self.queue.abandon(seq)
@@ -216,13 +220,14 @@ class AsyncSource:
 
 
 def make_source(cfg: RunConfig, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]], *,
-                start_step: int, hacking_patterns: tuple[str, ...] = ()) -> BatchSource:
+                start_step: int, hacking_patterns: tuple[str, ...] = (), sizes: Sizes | None = None) -> BatchSource:
     group_size = cfg.policy_optimization.advantage.group_size
+    sizes = sizes or (lambda tasks: [group_size] * len(tasks))
     mode = cfg.rollout.mode
     if mode == "sync":
-        return SyncSource(rollouter, batch_tasks, group_size, cfg.trainer.seed, hacking_patterns, start_step)
+        return SyncSource(rollouter, batch_tasks, sizes, cfg.trainer.seed, hacking_patterns, start_step)
     staleness = cfg.rollout.scheduler.max_staleness
     if mode == "one_step_off_policy":
         staleness = min(1, staleness)
-    return AsyncSource(cfg, rollouter, batch_tasks, group_size, cfg.derived()["prompts_per_step"],
+    return AsyncSource(cfg, rollouter, batch_tasks, sizes, group_size, cfg.derived()["prompts_per_step"],
                        start_step=start_step, max_staleness=staleness, hacking_patterns=hacking_patterns)

@@ -105,16 +105,19 @@ class Rollouter:
         trajs = await asyncio.gather(*(self.rollout(task, episode_seed(seed, task.id, i)) for i in range(group_size)))
         return Group(task.id, list(trajs))
 
-    async def groups(self, tasks: list[Task], group_size: int, seed: int) -> list[Group]:
-        """``group_size`` rollouts of each task, all in flight together (bounded by max_concurrent)."""
+    async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int) -> list[Group]:
+        """``group_size`` rollouts of each task (one size for all, or one per task), all in flight together
+        (bounded by max_concurrent)."""
+        sizes = group_size if isinstance(group_size, list) else [group_size] * len(tasks)
         sem = asyncio.Semaphore(self.max_concurrent)
 
         async def one(task: Task, i: int) -> Trajectory:
             async with sem:
                 return await self.rollout(task, episode_seed(seed, task.id, i))
 
-        trajs = await asyncio.gather(*(one(t, i) for t in tasks for i in range(group_size)))
-        return [Group(t.id, list(trajs[k * group_size:(k + 1) * group_size])) for k, t in enumerate(tasks)]
+        trajs = await asyncio.gather(*(one(t, i) for t, n in zip(tasks, sizes) for i in range(n)))
+        starts = [sum(sizes[:k]) for k in range(len(tasks) + 1)]
+        return [Group(t.id, list(trajs[starts[k]:starts[k + 1]])) for k, t in enumerate(tasks)]
 
 
 def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float | None,

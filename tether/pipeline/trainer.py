@@ -1,7 +1,9 @@
 """The training loop, top to bottom (the batch source differs per ``rollout.mode``, see modes.py):
 
-    sample tasks → group_size rollouts each (agent loop + verifier) → group-relative advantages
-    → learner update → new weights into the engine → metrics → (eval, checkpoint)
+    sample tasks → rollouts per task (agent loop + verifier) → diversity bonus → degenerate-group filter
+    → group-relative advantages → learner update → new weights into the engine → metrics → (eval, checkpoint)
+
+(shaping.py: the bonus, the filter and the rollout allocation.)
 
 Steps are numbered from 1; held-out evaluation is logged at step 0 (before any update), every
 ``trainer.eval_every`` steps and at the end. The tasks of step s are a pure function of (seed, s), so a
@@ -29,6 +31,7 @@ from tether.pipeline.evaluate import evaluate
 from tether.pipeline.progress import Progress
 from tether.pipeline.modes import make_source
 from tether.pipeline.rollouter import Rollouter
+from tether.pipeline.shaping import DegenerateFilter, RolloutAllocator, add_diversity_bonus
 from tether.runtime import Runtime
 from tether.types import Group, Task
 
@@ -102,8 +105,21 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    po = cfg.policy_optimization
+    allocator = RolloutAllocator(cfg)
+    bonus = po.exploration.diversity_bonus
+
+    def shape(groups: list[Group]) -> None:
+        if bonus.enabled and bonus.coef > 0:
+            add_diversity_bonus(groups, bonus.coef)
+
+    degenerate = None
+    if po.advantage.degenerate_group_filter.enabled:
+        degenerate = DegenerateFilter(cfg, rollouter, {t.id: t for t in sampler.tasks}, shape)
     if ckpt is not None:
-        start = int(load_checkpoint(ckpt, learner)["step"])
+        extra = load_checkpoint(ckpt, learner)
+        start = int(extra["step"])
+        allocator.load_state_dict(extra["allocator"])
         rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
         for name in ("metrics.jsonl", "samples.jsonl"):
             _truncate_jsonl(run_dir / name, start)
@@ -130,13 +146,22 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         if start == 0:
             recorder.flush(0)
         eval_after = eval_before
-        source = make_source(cfg, rollouter, sampler.batch, start_step=start, hacking_patterns=tuple(hacking_patterns))
+        source = make_source(cfg, rollouter, sampler.batch, start_step=start, hacking_patterns=tuple(hacking_patterns),
+                             sizes=allocator.sizes)
         sync_every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
-            groups = source.next_batch(step)
-            trajs, adv = _advantages(cfg, groups)
-            learner.train_step(trajs, adv)  # records the optim/* metrics itself
+            generated = source.next_batch(step)
+            shape(generated)
+            groups = degenerate(generated, step) if degenerate is not None else generated
+            if groups:
+                trajs, adv = _advantages(cfg, groups)
+                learner.train_step(trajs, adv)  # records the optim/* metrics itself
+            else:  # every group was degenerate, even resampled: nothing to learn from at this step
+                trajs = []
+                learner.version += 1
+                record_metric("optim/empty_steps", 1, "sum")
+            allocator.observe(groups, step)
             if step % sync_every == 0:
                 rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
                 source.on_weights(learner.version)
@@ -144,16 +169,19 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
             elapsed = time.perf_counter() - t0
             record_metric("perf/step_time", elapsed, "last")
             record_metric("perf/samples_per_s", len(trajs) / elapsed, "last")
+            record_metric("rollout/trained_trajectories", len(trajs), "last")
             record_metric("perf/trainer_idle_ratio", source.last_wait_s / elapsed, "last")
             if cfg.rollout.mode == "sync":  # the rollouter idles while the trainer trains
                 record_metric("perf/rollouter_idle_ratio", 1.0 - source.last_wait_s / elapsed, "last")
-            samples_log.write(json.dumps({"step": step, "task_ids": [g.task_id for g in groups]}) + "\n")
+            samples_log.write(json.dumps({"step": step, "task_ids": [g.task_id for g in groups],
+                                          "group_sizes": [len(g.trajectories) for g in groups]}) + "\n")
             samples_log.flush()
             last = step == cfg.trainer.total_steps
             if last or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
                 eval_after = run_eval(step)
             if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                save_checkpoint(checkpoint_dir(run_dir, step), learner, rt.tokenizer, extra={"step": step})
+                save_checkpoint(checkpoint_dir(run_dir, step), learner, rt.tokenizer,
+                                extra={"step": step, "allocator": allocator.state_dict()})
             progress.update(step, recorder.flush(step))
     finally:
         if source is not None:
