@@ -7,11 +7,13 @@ generation cost little) on the customer-service environment whose tools answer a
 latency with a long tail, so a sync step waits for its slowest episode.
 
 Ideal speed-up, from the stage times measured in the sync run (Little's law): an async pipeline with C
-trajectories in flight finishes at most C / T_episode trajectories per second and cannot train faster
-than B / T_train, so ideal throughput = min(B / T_train, C / T_episode), against the sync throughput
-B / (T_rollout + T_train). T_episode is the mean episode wall time, T_rollout the mean wall time of a sync
-batch (its slowest episode), T_train the mean time of a training step, B the batch size, C =
-min(max_concurrent_tasks, (max_staleness + 1) · B).
+trajectories in flight finishes at most C / T_episode trajectories per second; it cannot train faster than
+B / T_train; and here trainer and engine share the same CPU cores, so a step costs at least
+T_train + T_engine of compute (T_engine: the engine's busy time per batch, ``perf/engine_busy_s``). Ideal
+throughput = min(B / (T_train + T_engine), C / T_episode), against the sync throughput B / (T_rollout + T_train).
+T_episode is the median episode wall time, T_rollout the wall time of a sync batch (its slowest episode),
+B the batch size, C = min(max_concurrent_tasks, num_workers, (max_staleness + 1) · B); medians over steps.
+(With the trainer and the engine on separate devices the first bound is B / T_train instead.)
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ def main() -> None:
     t_train = median([r["perf/step_time"] - r["perf/rollout_time"] for r in sync_rows])
     t_episode = median([r["agent/generate_sequences"] + r["agent/tool_calls"] + r["agent/compute_score"]
                         for r in sync_rows])
+    t_engine = median([r["perf/engine_busy_s"] for r in sync_rows])
     print(f"workload: {args.steps} steps x {batch} trajectories, tools lognormal median 500 ms, sigma 1.2, "
           f"cap 8 s; {args.threads} threads")
     print(f"sync stage times (median per step): rollout {t_rollout:.2f} s (slowest episode), "
-          f"train {t_train:.2f} s, mean episode {t_episode:.2f} s")
+          f"train {t_train:.2f} s, engine busy {t_engine:.2f} s, mean episode {t_episode:.2f} s")
     print(f"{'mode':22s} {'wall s':>8s} {'samples/s':>10s} {'speed-up':>9s} {'ideal':>7s} {'of ideal':>9s}")
     sync_rate = trained / results["sync"][0]
     sync_ideal_rate = batch / (t_rollout + t_train)
@@ -107,8 +110,10 @@ def main() -> None:
     for mode, (wall, rows) in results.items():
         rate = trained / wall
         staleness = 0 if mode == "sync" else (1 if mode == "one_step_off_policy" else 4)
-        in_flight = min(cfg.rollout.worker.max_concurrent_tasks, (staleness + 1) * batch)
-        ideal_rate = batch / (t_rollout + t_train) if mode == "sync" else min(batch / t_train, in_flight / t_episode)
+        worker = cfg.rollout.worker
+        in_flight = min(worker.max_concurrent_tasks, worker.num_workers, (staleness + 1) * batch)
+        ideal_rate = (batch / (t_rollout + t_train) if mode == "sync"
+                      else min(batch / (t_train + t_engine), in_flight / t_episode))
         ideal = ideal_rate / sync_ideal_rate
         speedup = rate / sync_rate
         lines.append((mode, speedup, ideal))

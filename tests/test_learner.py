@@ -29,13 +29,14 @@ def base_model(tmp_path_factory):
 
 def make_cfg(batch=8, mini=8, accum=1, epochs=1, lr=1e-3, warmup=0, max_grad_norm=1.0, kl="relative_entropy",
              temperature=1.0, entropy_coef=0.01, correction="none", tis=False, adaptive=False,
-             max_kl=10.0, target_kl=0.01, horizon=10_000) -> RunConfig:
+             max_kl=10.0, target_kl=0.01, horizon=10_000, algorithm="grpo_variant") -> RunConfig:
     return RunConfig.model_validate({
         "engine": {"temperature": temperature},
         "learner": {"batch_size": batch, "mini_batch_size": mini, "gradient_accumulation_steps": accum,
                     "update_frequency": epochs,
                     "off_policy_correction": {"method": correction, "tis_enabled": tis}},
         "policy_optimization": {
+            "algorithm": algorithm,
             "advantage": {"group_size": 4},
             "exploration": {"entropy_coef": entropy_coef},
             "kl_control": {"type": kl, "init_coef": 0.05, "adaptive": adaptive, "max_kl": max_kl,

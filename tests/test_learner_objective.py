@@ -94,3 +94,41 @@ def test_max_kl_guard_stops_the_rest_of_the_step(base_model):
     unguarded = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, epochs=3, lr=1e-2))
     m = unguarded.train_step(make_trajectories(8), advantages(8))
     assert unguarded.optimizer.num_updates == 6 and m["optim/kl_guard_stops"] == 0.0
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "grpo_variant"])
+def test_every_algorithm_trains_one_step(base_model, algorithm):
+    cfg = make_cfg(mini=4, kl="none", algorithm=algorithm)
+    learner = Learner(copy.deepcopy(base_model), None, cfg)
+    assert learner.loss_agg_mode == {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
+                                     "dr_grpo": "seq_mean_token_sum_norm"}.get(algorithm, "token_mean")
+    trajs = own_logprobs(base_model, make_trajectories(8, seed=4))
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    m = learner.train_step(trajs, advantages(8))
+    assert math.isfinite(m["optim/loss"]) and m["optim/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    if algorithm == "cispo":
+        assert m["optim/cispo_clip_ratio"] == 0.0  # on-policy first update: r = 1, nothing clipped
+
+
+def test_correction_bounds_the_update_when_behaviour_is_stale(base_model):
+    # the engine's logprobs are those of stale weights: 5 nats lower on every third model token (ρ = e^5 ≈ 148).
+    # Uncorrected, PPO's ratio to the behaviour policy is 148 there, and negative-advantage tokens are not clipped
+    # from above: the pre-clip gradient norm explodes. Double-sided IS masks those tokens instead.
+    trajs = own_logprobs(base_model, make_trajectories(8, seed=5))
+    for t in trajs:
+        k = 0
+        for i, m in enumerate(t.response_mask):
+            if m:
+                t.logprobs[i] -= 5.0 if k % 3 == 0 else 0.0
+                k += 1
+    adv = [-1.0, 1.0] * 4
+    norms = {}
+    for method in ("none", "double_sided_importance_sampling"):
+        learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction=method, tis=method != "none",
+                                                                    kl="none", entropy_coef=0.0))
+        norms[method] = learner.train_step(copy.deepcopy(trajs), adv)["optim/grad_norm"]
+    clean = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none", entropy_coef=0.0))
+    on_policy = clean.train_step(own_logprobs(base_model, copy.deepcopy(trajs)), adv)["optim/grad_norm"]
+    assert norms["none"] > 20 * on_policy  # the stale tokens dominate the uncorrected update
+    assert norms["double_sided_importance_sampling"] < 1.5 * on_policy  # corrected: the size of an on-policy update

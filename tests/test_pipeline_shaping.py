@@ -53,9 +53,10 @@ def test_degenerate_groups_are_resampled_then_dropped(metrics):
     filt = DegenerateFilter(cfg(), rollouter, tasks, shaped.append)
     kept = filt([group("A", [1, 1, 1, 1]), group("B", [0, 1, 0, 1]), group("C", [0.5] * 4)], step=3)
     assert [g.task_id for g in kept] == ["A", "B"] and kept[0].rewards == [1, 0, 1, 1]
-    assert [c[:2] for c in rollouter.calls] == [("A", 4), ("A", 4), ("C", 4), ("C", 4)]
+    # two rounds, each regenerating every group still degenerate, concurrently
+    assert [c[:2] for c in rollouter.calls] == [("A", 4), ("C", 4), ("A", 4), ("C", 4)]
     assert len({c[2] for c in rollouter.calls}) == 4  # fresh seeds every attempt
-    assert len(shaped) == 4  # each regenerated group got the diversity bonus too
+    assert [len(r) for r in shaped] == [2, 2]  # each regenerated group got the diversity bonus too
     row = metrics.flush(3)
     assert row["optim/degenerate_group_ratio_before_filter"] == pytest.approx(2 / 3)
     assert (row["rollout/resampled_groups"], row["rollout/dropped_groups"]) == (4, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,7 @@ class LocalEngine:
         self.recompute_on_update, self.num_threads = recompute_on_update, num_threads
         self.partial_rollout, self.segment_length = partial_rollout, segment_length
         self._segment_steps = segment_length  # decode steps since the last update; starts at a point
-        self.stats: Counter[str] = Counter()  # prompt/cached/generated tokens, steps, preemptions
+        self.stats: Counter[str] = Counter()  # prompt/cached/generated tokens, steps, preemptions, busy_s
         self._version = version
         self._stale = False  # weights changed since the running requests' caches were computed
         self._generator = torch.Generator().manual_seed(seed)
@@ -214,7 +215,9 @@ class LocalEngine:
                 for update in updates:
                     self._apply(update)
                 try:
+                    t0 = time.perf_counter()
                     self._step()
+                    self.stats["busy_s"] += time.perf_counter() - t0  # compute time (perf/engine_busy_s)
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     log.exception("LocalEngine step failed")
                     for req in self._slots.running:

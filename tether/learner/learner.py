@@ -239,7 +239,7 @@ class Learner:
         weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if mb.prox_logp is not None else (None, {})
         pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]
         loss = aggregate(pg_tok, mask, **agg)
-        metrics = {f"optim/{k}": m_pg[k] for k in ("clip_ratio_low", "clip_ratio_high") if k in m_pg}
+        metrics = {f"optim/{k}": m_pg[k] for k in ("clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio") if k in m_pg}
         metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
 
         with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):

@@ -17,7 +17,8 @@ Per trainer step, after the batch source (modes.py) delivered its groups:
 
 Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
 ``optim/degenerate_group_ratio_before_filter`` (as generated), ``optim/degenerate_group_ratio`` (as trained,
-recorded with the advantages), ``rollout/resampled_groups``, ``rollout/dropped_groups``,
+recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled_trajectories``,
+``rollout/dropped_groups``,
 ``rollout/allocation_max`` / ``_min``.
 """
 
@@ -58,30 +59,32 @@ class DegenerateFilter:
         self.rollouter, self.tasks, self.shape, self.seed = rollouter, tasks, shape, cfg.trainer.seed
 
     def __call__(self, groups: list[Group], step: int) -> list[Group]:
+        """The groups to train on, in order. Every degenerate group of a round is regenerated at once."""
         flags, m = degenerate_groups([g.rewards for g in groups], min_reward_std=self.min_std)
         record_metric("optim/degenerate_group_ratio_before_filter", m["degenerate_group_ratio"])
-        kept, resampled, dropped = [], 0, 0
-        for k, (group, degenerate) in enumerate(zip(groups, flags)):
-            attempt = 0
-            while degenerate and resample_or_drop(attempt, self.attempts) == "resample":
-                attempt += 1
-                resampled += 1
-                group = self._regenerate(group, step, k, attempt)
-                degenerate = degenerate_groups([group.rewards], min_reward_std=self.min_std)[0][0]
-            if degenerate:
-                dropped += 1
-            else:
-                kept.append(group)
+        groups, resampled, regenerated = list(groups), 0, 0
+        pending = [k for k, flag in enumerate(flags) if flag]
+        attempt = 0
+        while pending and resample_or_drop(attempt, self.attempts) == "resample":
+            attempt += 1
+            fresh = asyncio.run(self._regenerate([groups[k] for k in pending], step, pending, attempt))
+            self.shape(fresh)
+            for k, g in zip(pending, fresh):
+                groups[k] = g
+            resampled += len(pending)
+            regenerated += sum(len(g.trajectories) for g in fresh)
+            flags = degenerate_groups([g.rewards for g in fresh], min_reward_std=self.min_std)[0]
+            pending = [k for k, flag in zip(pending, flags) if flag]
         record_metric("rollout/resampled_groups", resampled, "sum")
-        record_metric("rollout/dropped_groups", dropped, "sum")
-        return kept
+        record_metric("rollout/dropped_groups", len(pending), "sum")
+        record_metric("rollout/resampled_trajectories", regenerated, "sum")
+        return [g for k, g in enumerate(groups) if k not in set(pending)]
 
-    def _regenerate(self, group: Group, step: int, k: int, attempt: int) -> Group:
-        seed = episode_seed(self.seed, f"resample:{step}:{k}", attempt)
-        task = self.tasks[group.task_id]
-        new = asyncio.run(self.rollouter.group(task, len(group.trajectories), seed))
-        self.shape([new])
-        return new
+    async def _regenerate(self, old: list[Group], step: int, index: list[int], attempt: int) -> list[Group]:
+        jobs = [self.rollouter.group(self.tasks[g.task_id], len(g.trajectories),
+                                     episode_seed(self.seed, f"resample:{step}:{k}", attempt))
+                for g, k in zip(old, index)]
+        return list(await asyncio.gather(*jobs))
 
 
 class RolloutAllocator:

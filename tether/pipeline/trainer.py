@@ -149,9 +149,12 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         source = make_source(cfg, rollouter, sampler.batch, start_step=start, hacking_patterns=tuple(hacking_patterns),
                              sizes=allocator.sizes)
         sync_every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
+        engine_stats = getattr(rt.engine, "stats", None)
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
+            busy = engine_stats["busy_s"] if engine_stats is not None else 0.0
             generated = source.next_batch(step)
+            record_metric("rollout/generated_trajectories", sum(len(g.trajectories) for g in generated), "last")
             shape(generated)
             groups = degenerate(generated, step) if degenerate is not None else generated
             if groups:
@@ -166,6 +169,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
                 rt.engine.update_weights(learner.state_dict_for_engine(), learner.version)
                 source.on_weights(learner.version)
             record_metric("rollout/current_param_version", rt.engine.version, "last")
+            if engine_stats is not None:  # the engine's compute time during this step (it shares the CPU/GPU)
+                record_metric("perf/engine_busy_s", engine_stats["busy_s"] - busy, "last")
             elapsed = time.perf_counter() - t0
             record_metric("perf/step_time", elapsed, "last")
             record_metric("perf/samples_per_s", len(trajs) / elapsed, "last")
