@@ -102,3 +102,16 @@ def test_adaptive_allocation_moves_budget_to_tasks_whose_outcomes_vary(metrics):
         "rollout_allocation": {"strategy": "fixed"}}}))
     fixed.observe(groups, step=100)
     assert fixed.sizes(tasks) == [8, 8, 8, 8]
+
+
+def test_unseen_tasks_take_their_kinds_statistics(metrics):
+    c = RunConfig.model_validate({"policy_optimization": {
+        "advantage": {"group_size": 8},
+        "rollout_allocation": {"strategy": "adaptive", "max_rollouts_per_prompt": 32, "reallocation_interval": 1}}})
+    kinds = {"r1": "refund", "r2": "refund", "i1": "inventory", "i2": "inventory", "e1": "escalate"}
+    alloc = RolloutAllocator(c, kinds=kinds)
+    alloc.observe([group("r1", [1, 0] * 4), group("i1", [1] * 8)], step=1)
+    new = [Task(k, "train", kinds[k]) for k in ("r2", "i2", "e1")]
+    # r2 is unseen but refunds vary (0.25): it gets the budget; i2's kind is always solved: the minimum 2;
+    # e1's kind was never seen: the base 8; total 24 = 3 × 8
+    assert alloc.sizes(new) == [14, 2, 8]

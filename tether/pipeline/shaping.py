@@ -12,8 +12,9 @@ Per trainer step, after the batch source (modes.py) delivered its groups:
    degenerate after that is dropped and the step trains on fewer trajectories.
 3. **Rollout allocation** (``rollout_allocation``): ``fixed`` gives every task ``group_size`` rollouts;
    ``adaptive`` gives the tasks of a step between 2 and ``max_rollouts_per_prompt`` rollouts, ∝ √(variance of
-   the task's recent rewards), with the step's total kept at group_size × tasks (``tether.algo.allocation``).
-   The per-task statistics are re-read every ``reallocation_interval`` steps.
+   the task's recent rewards — its kind's, for a task not seen yet), with the step's total kept at
+   group_size × tasks (``tether.algo.allocation``). The statistics are re-read every ``reallocation_interval``
+   steps.
 
 Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
 ``optim/degenerate_group_ratio_before_filter`` (as generated), ``optim/degenerate_group_ratio`` (as trained,
@@ -88,20 +89,30 @@ class DegenerateFilter:
 
 
 class RolloutAllocator:
-    """Rollouts per task for ``rollout_allocation.strategy`` (``sizes``), learning from trained groups (``observe``)."""
+    """Rollouts per task for ``rollout_allocation.strategy`` (``sizes``), learning from trained groups (``observe``).
 
-    def __init__(self, cfg: RunConfig):
+    Statistics are kept per task and per task kind: a task not seen yet (with shuffled epochs over hundreds of
+    tasks, most tasks of a step are new) takes its kind's variance as its prior, and only a task of an unseen
+    kind gets the base count.
+    """
+
+    def __init__(self, cfg: RunConfig, kinds: dict[str, str] | None = None):
         ra = cfg.policy_optimization.rollout_allocation
         self.adaptive = ra.strategy == "adaptive"
         self.group_size = cfg.policy_optimization.advantage.group_size
         self.max, self.interval = ra.max_rollouts_per_prompt, ra.reallocation_interval
+        self.kinds = kinds or {}  # task id -> kind
         self.window = TaskRewardWindow()
         self.proxies: dict[str, float] = {}  # the statistics in force, re-read every ``interval`` steps
+
+    def _proxy(self, task: Task) -> float | None:
+        own = self.proxies.get(task.id)
+        return own if own is not None else self.proxies.get(f"kind:{task.kind}")
 
     def sizes(self, tasks: list[Task]) -> list[int]:
         if not self.adaptive:
             return [self.group_size] * len(tasks)
-        counts, m = allocate_rollouts([self.proxies.get(t.id) for t in tasks], base_rollouts_per_prompt=self.group_size,
+        counts, m = allocate_rollouts([self._proxy(t) for t in tasks], base_rollouts_per_prompt=self.group_size,
                                       max_rollouts_per_prompt=self.max)
         record_metric("rollout/allocation_max", m["allocation_max"], "max")
         record_metric("rollout/allocation_min", m["allocation_min"], "min")
@@ -120,5 +131,7 @@ class RolloutAllocator:
     def observe(self, groups: list[Group], step: int) -> None:
         for g in groups:
             self.window.update(g.task_id, g.rewards)
+            if g.task_id in self.kinds:
+                self.window.update(f"kind:{self.kinds[g.task_id]}", g.rewards)
         if self.adaptive and step % self.interval == 0:
             self.proxies = {t: p for t in self.window.task_ids() if (p := self.window.proxy(t)) is not None}

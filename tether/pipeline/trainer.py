@@ -106,7 +106,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
     po = cfg.policy_optimization
-    allocator = RolloutAllocator(cfg)
+    allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})
     bonus = po.exploration.diversity_bonus
 
     def shape(groups: list[Group]) -> None:
