@@ -11,7 +11,8 @@ Runs (each the demo's RL phase, config examples/customer_service/config.yaml plu
     fixed_allocation    8 rollouts for every task
     adaptive_allocation 2..32 rollouts per task ∝ √(reward variance), reallocated every 2 steps
 Prints held-out success (before, after, steps to reach --level), generated / trained trajectories, the fraction
-of groups with a non-zero advantage, and the largest policy lag.
+of groups with a non-zero advantage (as generated, before any filter) and of trained trajectories with one, the
+largest policy lag and KL.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def main() -> None:
     print(f"{args.steps} trainer steps of 64 trajectories from one SFT warm start; eval every {args.eval_every} "
           f"steps on 64 held-out tasks; overrides {args.overrides or 'none'}")
     head = (f"{'variant':20s} {'before':>7s} {'after':>7s} {f'to {args.level:.0%}':>7s} {'generated':>9s} "
-            f"{'trained':>8s} {'A≠0 groups':>10s} {'max lag':>7s} {'max KL':>7s} {'wall s':>7s}")
+            f"{'trained':>8s} {'A≠0 groups':>10s} {'A≠0 trajs':>9s} {'max lag':>7s} {'max KL':>7s} {'wall s':>7s}")
     print(head)
     for name, r in results.items():
         reach = steps_to_reach(r["curve"], args.level)
         print(f"{name:20s} {r['before']:7.1%} {r['after']:7.1%} {str(reach or '-'):>7s} {r['generated']:9.0f} "
-              f"{r['trained']:8.0f} {r['informative_groups']:10.1%} {r['max_lag']:7.0f} {r['kl_max']:7.3f} "
+              f"{r['trained']:8.0f} {r['informative_groups']:10.1%} {r['informative_samples']:9.1%} {r['max_lag']:7.0f} "
+              f"{r['kl_max']:7.3f} "
               f"{r['wall_s']:7.1f}")
     for name, r in results.items():
         print(f"{name}: held-out success by step {dict(sorted(r['curve'].items()))}")

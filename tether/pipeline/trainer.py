@@ -71,6 +71,7 @@ def _advantages(cfg: RunConfig, groups: list[Group]) -> tuple[list, torch.Tensor
                               min_std=adv_cfg.degenerate_group_filter.min_reward_std)
     record_metric("optim/advantage_std", float(m["advantage_std"]))
     record_metric("optim/degenerate_group_ratio", float(m["degenerate_group_ratio"]))
+    record_metric("optim/nonzero_advantage_ratio", float((adv.abs() > 1e-6).float().mean()))  # of trajectories
     return trajs, adv
 
 
