@@ -152,6 +152,10 @@ class TaskRewardWindow:
             return None
         return gradient_variance_proxy(list(rewards))
 
+    def rewards(self, task_id: Hashable) -> list[float]:
+        """The task's rewards in the window, oldest first (empty if unseen)."""
+        return list(self._rewards.get(task_id, ()))
+
     def task_ids(self) -> list[Hashable]:
         """Every task id seen so far, in order of first appearance."""
         return list(self._rewards)

@@ -55,7 +55,8 @@ def importance_ratio(
     return torch.exp(torch.clamp(logp - old_logp, -max_log_ratio, max_log_ratio))
 
 
-def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages [B] or [B, L] as a detached tensor broadcastable to the tokens ``like`` [B, L]."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # [B, 1] one advantage per sequence, broadcast over L
     if advantages.shape[0] != like.shape[0] or advantages.shape[-1] not in (1, like.shape[-1]):
@@ -123,7 +124,7 @@ def clipped_surrogate(
             f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, mask {tuple(mask.shape)} must be equal [B, L]"
         )
 
-    adv = _token_advantages(advantages, logp)  # [B, L] or [B, 1]
+    adv = token_advantages(advantages, logp)  # [B, L] or [B, 1]
     log_ratio = logp - old_logp.detach()  # [B, L]
     ratio = importance_ratio(logp, old_logp.detach(), max_log_ratio=max_log_ratio)  # [B, L]
     unclipped = -adv * ratio  # [B, L]

@@ -17,7 +17,7 @@ import torch
 from tether.algo.advantages import Normalization
 from tether.algo.aggregation import AggMode, aggregate
 from tether.algo.correction import ISMethod
-from tether.algo.losses import MAX_LOG_RATIO, Metrics, _token_advantages, clipped_surrogate, importance_ratio
+from tether.algo.losses import MAX_LOG_RATIO, Metrics, token_advantages, clipped_surrogate, importance_ratio
 
 
 def gspo_surrogate(
@@ -102,7 +102,7 @@ def cispo_surrogate(
         )
     on = mask.bool()  # [B, L]
     safe = torch.where(on, logp, torch.zeros_like(logp))  # [B, L]
-    adv = _token_advantages(advantages, logp)  # [B, L] or [B, 1]
+    adv = token_advantages(advantages, logp)  # [B, L] or [B, 1]
     r = importance_ratio(safe.detach(), old_logp.detach(), max_log_ratio=max_log_ratio)  # [B, L] constant
     low = None if clip_low is None else 1.0 - clip_low
     w = torch.clamp(r, min=low, max=1.0 + clip_high)  # [B, L]

@@ -120,7 +120,7 @@ class RolloutAllocator:
 
     def state_dict(self) -> dict:
         """Plain data for a checkpoint, so that a resumed run allocates as the uninterrupted one would."""
-        return {"rewards": {t: list(self.window._rewards[t]) for t in self.window.task_ids()},
+        return {"rewards": {t: self.window.rewards(t) for t in self.window.task_ids()},
                 "proxies": dict(self.proxies)}
 
     def load_state_dict(self, state: dict) -> None:
