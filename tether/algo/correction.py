@@ -43,6 +43,7 @@ out of the denominator too (see ``losses.py``).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -189,11 +190,8 @@ def decoupled_surrogate(
     """
     if behav_cap is not None and not behav_cap > 0.0:
         raise ValueError(f"behav_cap must be > 0 or None, got {behav_cap}")
-    delta = behaviour_log_ratio(prox_logp, behav_logp, mask)  # [B, L]
-    w = torch.exp(delta)  # [B, L]
-    truncated = w > behav_cap if behav_cap is not None else torch.zeros_like(w, dtype=torch.bool)  # [B, L]
-    if behav_cap is not None:
-        w = w.clamp(max=behav_cap)
+    cap = math.inf if behav_cap is None else behav_cap
+    w, _, m_is = is_weights(prox_logp, behav_logp, mask, method="truncated", tis_cap=cap)  # [B, L], min(ρ, C)
     if weights is not None:
         if weights.shape != w.shape:
             raise ValueError(f"weights {tuple(weights.shape)} must be [B, L] = {tuple(w.shape)}")
@@ -204,5 +202,5 @@ def decoupled_surrogate(
     on = mask.bool()
     metrics["behav_weight_mean"] = _token_mean(w, mask)
     metrics["behav_weight_max"] = w[on].max().detach() if on.any() else torch.tensor(1.0)
-    metrics["behav_truncated_fraction"] = _token_mean(truncated, mask)
+    metrics["behav_truncated_fraction"] = m_is["is_truncated_fraction"]
     return loss, metrics

@@ -160,13 +160,14 @@ class Learner:
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
+        minis = batch.split(-(-len(batch) // self.mini_batch_size))
+        updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
-        for _ in range(self.epochs):
-            for mini in batch.split(-(-len(batch) // self.mini_batch_size)):
-                if stopped:
-                    break
-                kl = self._update(mini, device, norm_len, acc)
-                stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)
+        for mini in updates:
+            kl = self._update(mini, device, norm_len, acc)
+            if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
+                stopped = True  # the max-KL guard: skip the step's remaining updates
+                break
         self.kl_guard_stops += stopped
         self.version += 1
         elapsed = time.perf_counter() - t0

@@ -79,7 +79,8 @@ class DegenerateFilter:
         record_metric("rollout/resampled_groups", resampled, "sum")
         record_metric("rollout/dropped_groups", len(pending), "sum")
         record_metric("rollout/resampled_trajectories", regenerated, "sum")
-        return [g for k, g in enumerate(groups) if k not in set(pending)]
+        dropped = set(pending)
+        return [g for k, g in enumerate(groups) if k not in dropped]
 
     async def _regenerate(self, old: list[Group], step: int, index: list[int], attempt: int) -> list[Group]:
         jobs = [self.rollouter.group(self.tasks[g.task_id], len(g.trajectories),
