@@ -5,7 +5,7 @@ import torch
 
 from tether.algo import ALGORITHMS, aggregate, algorithm_spec, cispo_surrogate, clipped_surrogate, gspo_surrogate
 from tether.algo.aggregation import loss_denominator
-from tether.config.sections import AdvantageConfig, ExplorationConfig, KLControlConfig, OffPolicyCorrectionConfig
+from tether.config import AdvantageConfig, ExplorationConfig, KLControlConfig, OffPolicyCorrectionConfig
 
 
 def close(t, expected, tol=1e-5):

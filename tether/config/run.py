@@ -15,6 +15,7 @@ from pydantic_core import core_schema
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
+from tether.config.policy import *  # noqa: F401,F403
 from tether.config.sections import *  # noqa: F401,F403
 
 # ----------------------------------------------------------------------------- the run
