@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from test_learner import advantages, base_model, make_cfg, make_trajectories  # noqa: F401 — fixture
+from tether.algo import aggregate
+from tether.learner import learner as learner_module
 from tether.learner.learner import Learner
+from tether.learner.objective import Objective
 
 torch.set_num_threads(1)
 
@@ -125,10 +128,90 @@ def test_correction_bounds_the_update_when_behaviour_is_stale(base_model):
     adv = [-1.0, 1.0] * 4
     norms = {}
     for method in ("none", "double_sided_importance_sampling"):
-        learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction=method, tis=method != "none",
-                                                                    kl="none", entropy_coef=0.0))
-        norms[method] = learner.train_step(copy.deepcopy(trajs), adv)["optim/grad_norm"]
+        cfg = make_cfg(correction=method, tis=method != "none", kl="none", entropy_coef=0.0)
+        cfg.policy_optimization.clip_ratio_c = None  # plain PPO clip: nothing bounds r·|A| when A < 0
+        norms[method] = Learner(copy.deepcopy(base_model), None, cfg).train_step(copy.deepcopy(trajs), adv)[
+            "optim/grad_norm"]
     clean = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none", entropy_coef=0.0))
     on_policy = clean.train_step(own_logprobs(base_model, copy.deepcopy(trajs)), adv)["optim/grad_norm"]
     assert norms["none"] > 20 * on_policy  # the stale tokens dominate the uncorrected update
     assert norms["double_sided_importance_sampling"] < 1.5 * on_policy  # corrected: the size of an on-policy update
+    # the default dual clip (c = 3) alone also cuts them: r = 148 > c with A < 0 (and A > 0 is clipped at 1 + ε_high)
+    dual = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none", entropy_coef=0.0))
+    m = dual.train_step(copy.deepcopy(trajs), adv)
+    assert m["optim/grad_norm"] < 1.5 * on_policy and m["optim/dual_clip_ratio"] > 0.0
+
+
+def dual_clip_batch():
+    # four tokens, one sequence each: log r = log[4, 2, 1.1, 4], A = [-1, -1, -1, +1]; ε_low 0.2, ε_high 0.28
+    old = torch.zeros(4, 1)
+    logp = torch.tensor([[math.log(4.0)], [math.log(2.0)], [math.log(1.1)], [math.log(4.0)]], requires_grad=True)
+    return logp, old, torch.tensor([-1.0, -1.0, -1.0, 1.0]), torch.ones(4, 1)
+
+
+@pytest.mark.parametrize("c, token_loss, token_grad, active", [
+    # ℓ = max(−A·r, −A·clip(r, 0.8, 1.28)) = [4, 2, 1.1, −1.28]; ∂ℓ/∂log π = −A·r on the unclipped branch, 0 when clipped
+    (None, [4.0, 2.0, 1.1, -1.28], [4.0, 2.0, 1.1, 0.0], 0.0),
+    # dual clip, A < 0: ℓ = min(ℓ, c·|A|) = [3, 2, 1.1]; the token at r = 4 > 3 loses its gradient
+    (3.0, [3.0, 2.0, 1.1, -1.28], [0.0, 2.0, 1.1, 0.0], 1 / 4),
+    # c = 1.5: r = 4 and r = 2 are both above c → ℓ = 1.5, gradient 0; r = 1.1 and the A > 0 token unchanged
+    (1.5, [1.5, 1.5, 1.1, -1.28], [0.0, 0.0, 1.1, 0.0], 2 / 4),
+])
+def test_clip_ratio_c_reaches_the_loss(c, token_loss, token_grad, active):
+    cfg = make_cfg(algorithm="dapo")  # clipped_surrogate, token_mean, ε = 0.2 / 0.28
+    cfg.policy_optimization.clip_ratio_c = c
+    objective = Objective.from_config(cfg)
+    logp, old, adv, mask = dual_clip_batch()
+    loss, m = objective.policy_loss(logp, old, adv, mask)
+    assert torch.allclose(loss[:, 0], torch.tensor(token_loss), atol=1e-5)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    assert torch.allclose(grad[:, 0], torch.tensor(token_grad), atol=1e-5)
+    assert m["dual_clip_ratio"].item() == pytest.approx(active)
+    # token mean of the loss: None (4 + 2 + 1.1 − 1.28)/4 = 1.455; 3.0: 1.205; 1.5: 0.83
+    assert aggregate(loss, mask, objective.agg_mode).item() == pytest.approx(sum(token_loss) / 4, abs=1e-5)
+
+
+def test_clip_ratio_c_applies_to_gspo_and_not_to_cispo():
+    logp, old, adv, mask = dual_clip_batch()  # one token per sequence: GSPO's s_i is the token ratio
+    losses = {}
+    for algorithm in ("gspo", "cispo"):
+        for c in (None, 1.5):
+            cfg = make_cfg(algorithm=algorithm)
+            cfg.policy_optimization.clip_ratio_c = c
+            losses[algorithm, c] = Objective.from_config(cfg).policy_loss(logp, old, adv, mask)[0].detach()[:, 0]
+    # GSPO, A < 0, ratios 4, 2, 1.1 above 1 + 0.28: unclipped −A·s = [4, 2, 1.1]; with c = 1.5: [1.5, 1.5, 1.1]
+    assert torch.allclose(losses["gspo", None][:3], torch.tensor([4.0, 2.0, 1.1]), atol=1e-5)
+    assert torch.allclose(losses["gspo", 1.5][:3], torch.tensor([1.5, 1.5, 1.1]), atol=1e-5)
+    assert torch.equal(losses["cispo", None], losses["cispo", 1.5])
+
+
+def test_dr_grpo_normaliser_is_the_configured_max_response_length(base_model, monkeypatch):
+    # L = engine.max_tokens × agent_loop.max_assistant_turns = 8 × 3 = 24, whatever the batch's lengths
+    cfg = make_cfg(algorithm="dr_grpo", kl="none", entropy_coef=0.0)
+    cfg.engine.max_tokens, cfg.agent_loop.max_assistant_turns = 8, 3
+    seen = []
+    real = learner_module.aggregate
+
+    def spy(*args, **kwargs):  # the normaliser of every policy-gradient aggregation
+        seen.append(kwargs.get("norm_len"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "aggregate", spy)
+    short = own_logprobs(base_model, make_trajectories(8, seed=6))
+    long = own_logprobs(base_model, make_trajectories(8, seed=7))
+    for t in long:  # one more turn of 5 model tokens and 2 tool tokens on every trajectory: longer responses
+        t.response_ids += [7] * 7
+        t.response_mask += [1] * 5 + [0] * 2
+        t.versions += [0] * 5 + [-1] * 2
+    long = own_logprobs(base_model, long)
+    assert max(len(t.response_ids) for t in long) > max(len(t.response_ids) for t in short)
+    adv = advantages(8)
+    for trajs in (short, long):
+        seen.clear()
+        learner = Learner(copy.deepcopy(base_model), None, cfg)
+        m = learner.train_step(trajs, adv)
+        assert seen and set(seen) == {24}
+        # on-policy (r = 1), one update: ℓ_t = −A_i, loss = Σ_i −A_i·n_i / (B · L), n_i = model tokens of i
+        n = [sum(t.response_mask) for t in trajs]
+        expected = -sum(a * k for a, k in zip(adv, n)) / (8 * 24)
+        assert m["optim/loss"] == pytest.approx(expected, abs=1e-5)

@@ -122,6 +122,10 @@ class PolicyOptimConfig(Section):
     """Per-token loss → scalar; None = the algorithm's."""
     clip_ratio_low: Annotated[float, Field(ge=0, lt=1)] | None = None
     """Lower clip ε_low of the policy ratio; None = learner.off_policy_correction.clip_ratio (GSPO: 3e-4)."""
+    clip_ratio_c: Annotated[float, Field(gt=1)] | None = 3.0
+    """Dual-clip bound c > 1 (Ye et al. 2020, arXiv 1912.09729): a token with negative advantage loses at most
+    c·|A|, however far its ratio r has run above c (its gradient is then cut); None = no dual clip. verl's
+    ``actor.clip_ratio_c``, default 3.0. Applies to the PPO-clip losses (GSPO: on its sequence ratio), not CISPO."""
     exploration: ExplorationConfig = ExplorationConfig()
     """Exploration controls."""
     advantage: AdvantageConfig = AdvantageConfig()

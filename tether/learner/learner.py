@@ -42,6 +42,7 @@ Metrics of a step (returned and recorded):
     optim/is_masked_fraction  the fraction the correction masked out (only with a correction)
     optim/clip_ratio_low   fraction of model tokens whose clip was active (r < 1 − ε_low, A < 0), and
     optim/clip_ratio_high  (r > 1 + ε_high, A > 0), as ``clipped_surrogate`` counts them
+    optim/dual_clip_ratio  fraction whose dual clip was active (r > c, A < 0; 0 when ``clip_ratio_c`` is None)
     optim/lr               the lr of the step's last update
     optim/skipped_steps    updates skipped for a non-finite loss/gradient, cumulative over the run
     optim/kl_guard_stops   steps cut short by the max-KL guard, cumulative over the run
@@ -80,6 +81,7 @@ from tether.types import Trajectory
 
 log = logging.getLogger(__name__)
 
+_LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "cispo_clip_ratio")  # from the policy loss
 _LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}  # metrics that are a state, not an average
 
 
@@ -101,7 +103,7 @@ class Learner:
         self.entropy_coef = po.exploration.entropy_coef
         self.objective = Objective.from_config(cfg)
         self.loss_agg_mode: AggMode = self.objective.agg_mode
-        self.norm_len: int | None = None  # Dr. GRPO's constant; None = longest response of the step
+        self.norm_len: int = self.objective.norm_len  # Dr. GRPO's constant (objective.max_response_tokens)
         self.policy_loss_fn: PolicyLossFn = self.objective.policy_loss
         kc = po.kl_control
         kl_on = kc.type != "none"
@@ -156,7 +158,7 @@ class Learner:
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
         if self.objective.needs_prox:
             batch.prox_logp = self._score(batch, device)
-        norm_len = self.norm_len or max(len(t.response_ids) for t in trajectories) or 1
+        norm_len = self.norm_len  # a constant of the config, never of this batch's lengths
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
@@ -240,7 +242,7 @@ class Learner:
         weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if mb.prox_logp is not None else (None, {})
         pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]
         loss = aggregate(pg_tok, mask, **agg)
-        metrics = {f"optim/{k}": m_pg[k] for k in ("clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio") if k in m_pg}
+        metrics = {f"optim/{k}": m_pg[k] for k in _LOSS_METRICS if k in m_pg}
         metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
 
         with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):

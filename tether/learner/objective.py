@@ -18,6 +18,20 @@ Config → correction (``learner.off_policy_correction``; ε = ``clip_ratio``, C
     none                               w = min(ρ, C)                     no correction, no π_prox
 
 ``token_level_clipping: false`` applies the table to the sequence ratio instead (``correction.is_weights``).
+
+Clip range and dual clip: ε_low = ``policy_optimization.clip_ratio_low`` (else ``clip_ratio``), ε_high =
+``exploration.clip_higher``, dual-clip c = ``policy_optimization.clip_ratio_c`` (None = off) for the PPO-clip
+losses (grpo, dapo, dr_grpo, grpo_variant, and gspo on its sequence ratio). CISPO clips the weight, not the
+update — no token's loss grows without bound with r — so c does not apply to it and is not passed.
+
+Dr. GRPO's length normaliser (``seq_mean_token_sum_norm``) is ``max_response_tokens(cfg)`` =
+``engine.max_tokens`` × ``agent_loop.max_assistant_turns``: the most model-sampled (mask-1) tokens one trajectory
+can hold, fixed by the config, so the normaliser is the same constant at every step whatever the batch's
+lengths. It plays the role of Dr. GRPO's "max generation length", TRL's ``max_completion_length`` (single turn:
+``max_tokens`` exactly) and verl's constant ``loss_scale_factor`` (verl's default, ``loss_mask.shape[-1]``, is
+the padded length of the micro-batch and changes with the data). Tool and user tokens (mask 0) are not counted:
+they add nothing to the numerator either. ``environment.state.context_window`` can cut an episode sooner; the
+normaliser stays the configured bound.
 """
 
 from __future__ import annotations
@@ -35,15 +49,21 @@ from tether.algo.variants import algorithm_spec, cispo_surrogate
 from tether.config import RunConfig
 
 
+def max_response_tokens(cfg: RunConfig) -> int:
+    """The most model-sampled tokens one trajectory can hold: ``max_tokens`` per turn × assistant turns."""
+    return cfg.engine.max_tokens * cfg.agent_loop.max_assistant_turns
+
+
 @dataclass(frozen=True)
 class Objective:
     algorithm: str
-    policy_loss: Any  # a PolicyLossFn with its clip range bound
+    policy_loss: Any  # a PolicyLossFn with its clip range (and dual clip) bound
     agg_mode: AggMode
     is_method: ISMethod  # "none" = no correction (π_prox not computed)
     is_level: ISLevel
     band: float  # ε of the double-sided band
     tis_cap: float
+    norm_len: int  # Dr. GRPO's constant length (used by seq_mean_token_sum_norm only)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Objective:
@@ -51,10 +71,10 @@ class Objective:
         spec = algorithm_spec(po.algorithm)
         clip_low = po.clip_ratio_low if po.clip_ratio_low is not None else opc.clip_ratio
         clip_high = po.exploration.clip_higher
-        if spec.loss_fn is cispo_surrogate:  # no lower bound unless one is asked for
+        if spec.loss_fn is cispo_surrogate:  # no lower bound unless one is asked for; no dual clip
             loss = functools.partial(cispo_surrogate, clip_high=clip_high, clip_low=po.clip_ratio_low)
         else:
-            loss = functools.partial(spec.loss_fn, clip_low=clip_low, clip_high=clip_high)
+            loss = functools.partial(spec.loss_fn, clip_low=clip_low, clip_high=clip_high, dual_clip=po.clip_ratio_c)
         method: ISMethod
         cap = opc.tis_cap
         if opc.method == "double_sided_importance_sampling":
@@ -64,7 +84,7 @@ class Objective:
         else:
             method = "truncated" if (opc.method == "truncated_importance_sampling" or opc.tis_enabled) else "none"
         return cls(po.algorithm, loss, po.loss_agg_mode or spec.agg_mode, method,
-                   "token" if opc.token_level_clipping else "sequence", opc.clip_ratio, cap)
+                   "token" if opc.token_level_clipping else "sequence", opc.clip_ratio, cap, max_response_tokens(cfg))
 
     @property
     def needs_prox(self) -> bool:
