@@ -1,5 +1,4 @@
 import math
-import threading
 
 import pytest
 
@@ -59,26 +58,22 @@ def test_fifo_type_takes_and_evicts_oldest_inserted():
     a, b, c = (rec(x, [[0]], [0]) for x in "abc")
     buf.add(a), buf.add(b)
     assert buf.add(c) == [a]
-    assert buf.sample(5) == [b, c] and len(buf) == 0 and buf.sample(1) == []
+    assert buf.take(5) == [b, c] and len(buf) == 0 and buf.take(1) == []
+    assert buf.evicted == 1 and buf.evicted_samples == 1
 
 
-def test_sampling_is_proportional_to_priority_and_seeded():
-    x, y = rec("x", [[2]], [0]), rec("y", [[0]], [0])  # at version 2: priorities 1 and 1/3 → P(x first) = 0.75
-    buf = ReplayBuffer(capacity=4, freshness_weight=1.0, diversity_weight=0.0, seed=123, version=2)
-    firsts = []
-    for _ in range(4000):
-        buf.add(x), buf.add(y)
-        firsts.append(buf.sample(1)[0] is x)
-        buf.sample(1)
-    assert abs(sum(firsts) - 3000) < 120  # σ = √(4000·0.75·0.25) = 27.4
-
-    def draws(seed):
-        b = ReplayBuffer(capacity=8, seed=seed, version=2)
-        for i in range(6):
-            b.add(rec(f"r{i}", [[i % 3]] * 2, [i % 2, 0]))
-        return [r.group.task_id for r in b.sample(4)]
-
-    assert draws(7) == draws(7)
+def test_priority_takes_highest_first_and_the_rest_wait_and_age():
+    buf = ReplayBuffer(capacity=4, freshness_weight=0.7, diversity_weight=0.3, version=2)
+    x = rec("x", [[2]] * 2, [1, 0])  # lag 0, div 1: 0.7 + 0.3 = 1.0
+    y = rec("y", [[1]] * 2, [1, 0])  # lag 1: 0.35 + 0.3 = 0.65
+    z = rec("z", [[2]] * 2, [1, 1])  # lag 0, degenerate: 0.7
+    for r in (y, x, z):
+        buf.add(r)
+    assert buf.take(2) == [x, z] and len(buf) == 1  # y waits
+    buf.on_version(4)  # y ages: lag 3 → 0.7/4 + 0.3 = 0.475
+    assert buf.priorities() == pytest.approx([0.475])
+    assert buf.remove_stale(max_policy_lag=3) == [] and buf.remove_stale(max_policy_lag=2) == [y]
+    assert len(buf) == 0 and buf.held_samples == 0
 
 
 def test_zero_priority_only_when_nothing_else_is_left():
@@ -86,17 +81,5 @@ def test_zero_priority_only_when_nothing_else_is_left():
     deg1, div, deg2 = rec("d1", [[0]] * 2, [1, 1]), rec("v", [[0]] * 2, [1, 0]), rec("d2", [[0]] * 2, [0, 0])
     for r in (deg1, div, deg2):
         buf.add(r)
-    assert buf.sample(3) == [div, deg1, deg2]
-
-
-def test_wait_sample_blocks_until_enough_and_close():
-    buf = ReplayBuffer(capacity=4)
-    buf.add(rec("a", [[0]], [0]))
-    assert buf.wait_sample(2, timeout=0.02) is None and len(buf) == 1  # nothing taken on timeout
-    threading.Timer(0.05, buf.add, args=(rec("b", [[0]], [0]),)).start()
-    got = buf.wait_sample(2, timeout=5)
-    assert sorted(r.group.task_id for r in got) == ["a", "b"]
-    threading.Timer(0.05, buf.close).start()
-    assert buf.wait_sample(1, timeout=5) is None
-    with pytest.raises(ValueError, match="capacity"):
-        buf.wait_sample(5)
+    assert buf.take(3) == [div, deg1, deg2]
+    assert buf.evicted_samples == 0

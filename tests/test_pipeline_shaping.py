@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tether.config import RunConfig
 from tether.metrics import MetricsRecorder, set_recorder
-from tether.pipeline.shaping import DegenerateFilter, RolloutAllocator, add_diversity_bonus
+from tether.pipeline.shaping import (GroupProducer, Produced, RolloutAllocator, add_diversity_bonus, no_signal_warning,
+                                     record_production_metrics)
 from tether.types import Group, Task, Trajectory
 
 
@@ -45,29 +48,48 @@ def cfg(**filter_cfg):
         "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2, **filter_cfg}}}})
 
 
+def produce_all(producer, tasks, step):
+    async def run():
+        return await asyncio.gather(*(producer.produce(t, 4, step, k) for k, t in enumerate(tasks)))
+    return asyncio.run(run())
+
+
 def test_degenerate_groups_are_resampled_then_dropped(metrics):
-    tasks = {k: Task(k, "train", "refund") for k in "ABC"}
-    rollouter = ScriptedRollouter({"A": [[0, 0, 0, 0], [1, 0, 1, 1]],  # 2nd resample informative: kept
-                                   "C": [[1, 1, 1, 1], [0, 0, 0, 0]]})  # still degenerate after 2: dropped
-    shaped = []
-    filt = DegenerateFilter(cfg(), rollouter, tasks, shaped.append)
-    kept = filt([group("A", [1, 1, 1, 1]), group("B", [0, 1, 0, 1]), group("C", [0.5] * 4)], step=3)
-    assert [g.task_id for g in kept] == ["A", "B"] and kept[0].rewards == [1, 0, 1, 1]
-    # two rounds, each regenerating every group still degenerate, concurrently
-    assert [c[:2] for c in rollouter.calls] == [("A", 4), ("C", 4), ("A", 4), ("C", 4)]
-    assert len({c[2] for c in rollouter.calls}) == 4  # fresh seeds every attempt
-    assert [len(r) for r in shaped] == [2, 2]  # each regenerated group got the diversity bonus too
+    tasks = [Task(k, "train", "refund") for k in "ABC"]
+    rollouter = ScriptedRollouter({"A": [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 1]],  # 2nd resample informative
+                                   "B": [[0, 1, 0, 1]],
+                                   "C": [[0.5] * 4, [1, 1, 1, 1], [0, 0, 0, 0]]})  # degenerate after 2: dropped
+    out = produce_all(GroupProducer(cfg(), rollouter), tasks, step=3)
+    assert [p.dropped for p in out] == [False, False, True]
+    # the bonus is added to the kept attempt: three successes of one strategy share 0.05 → 1 + 0.05/3 each
+    assert out[0].group.rewards == pytest.approx([1 + 0.05 / 3, 0, 1 + 0.05 / 3, 1 + 0.05 / 3])
+    assert [(p.resampled, p.resampled_trajectories, p.first_degenerate) for p in out] == [
+        (2, 8, True), (0, 0, False), (2, 8, True)]
+    seeds = [c[2] for c in rollouter.calls]
+    assert len(seeds) == 7 and len(set(seeds) - {seeds[0]}) == 4  # first attempts share the step seed
+    record_production_metrics(out)
     row = metrics.flush(3)
     assert row["optim/degenerate_group_ratio_before_filter"] == pytest.approx(2 / 3)
     assert (row["rollout/resampled_groups"], row["rollout/dropped_groups"]) == (4, 1)
+    assert (row["rollout/generated_trajectories"], row["rollout/resampled_trajectories"]) == (12, 16)
 
 
-def test_no_resample_attempts_drops_at_once(metrics):
-    rollouter = ScriptedRollouter({})
-    filt = DegenerateFilter(cfg(resample_attempts=0), rollouter, {}, lambda g: None)
-    # std of [0, 0.1, 0, 0.1] = 0.0577 ≤ 0.1: degenerate; std of [0, 1] = 0.707: kept; singleton: degenerate
-    kept = filt([group("A", [0, 0.1, 0, 0.1]), group("B", [0, 1]), group("C", [1])], step=1)
-    assert [g.task_id for g in kept] == ["B"] and rollouter.calls == []
+def test_no_resample_attempts_drops_at_once_and_filter_off_keeps(metrics):
+    # std of [0, 0.1, 0, 0.1] = 0.0577 <= 0.1: degenerate; std of [0, 1, 0, 1] = 0.577: kept
+    script = {"A": [[0, 0.1, 0, 0.1]], "B": [[0, 1, 0, 1]]}
+    tasks = [Task("A", "train", "refund"), Task("B", "train", "refund")]
+    rollouter = ScriptedRollouter(script)
+    out = produce_all(GroupProducer(cfg(resample_attempts=0), rollouter), tasks, step=1)
+    assert [p.dropped for p in out] == [True, False] and len(rollouter.calls) == 2
+    off = produce_all(GroupProducer(cfg(enabled=False), ScriptedRollouter(script)), tasks, step=1)
+    assert [p.dropped for p in off] == [False, False] and off[0].first_degenerate
+
+
+def test_no_signal_warning_only_when_nothing_ever_succeeds():
+    none = [Produced(group("A", [0, 0]), 1, 0, first_degenerate=True, dropped=True)]
+    assert "warm-start" in no_signal_warning(none, 5) and "step 5" in no_signal_warning(none, 5)
+    solved = [Produced(group("A", [1, 1]), 1, 0, first_degenerate=True, any_success=True)]
+    assert no_signal_warning(solved, 5) is None
 
 
 def test_diversity_bonus_rewards_distinct_successful_strategies(metrics):
@@ -75,11 +97,11 @@ def test_diversity_bonus_rewards_distinct_successful_strategies(metrics):
     b = traj(1.0, calls=[("check_refund_policy", '{"reason_code": "DAMAGED", "order_id": "ORD-1"}')], answer="$38")
     c = traj(1.0, calls=[("escalate_to_human", '{"summary": "refund", "priority": "high"}')], answer="$38.00")
     d = traj(0.0, calls=[("query_inventory", '{"sku_id": "SKU-1"}')])
-    add_diversity_bonus([Group("t", [a, b, c, d])], coef=0.05)
+    m = add_diversity_bonus([Group("t", [a, b, c, d])], coef=0.05)
     # a and b are one strategy (same call, arguments reordered, same amount): 0.05 / 2 each; c alone: 0.05; d failed
     assert [t.reward for t in (a, b, c, d)] == pytest.approx([1.025, 1.025, 1.05, 0.0])
     assert a.reward_components["diversity_bonus"] == pytest.approx(0.025)
-    assert metrics.flush(1)["rollout/semantic_cluster_count"] == 3
+    assert m["semantic_cluster_count"] == 3
 
 
 def test_adaptive_allocation_moves_budget_to_tasks_whose_outcomes_vary(metrics):

@@ -1,14 +1,26 @@
-"""Where the trainer's batches come from, per ``rollout.mode``. One Rollouter, one MessageQueue, one trainer.
+"""Where the trainer's batches come from, per ``rollout.mode``. One producer, one MessageQueue, one trainer.
 
-- ``sync``: the batch of step s is generated when the trainer asks for it, with the current weights.
+- ``sync``: the groups of step s are produced when the trainer asks for them, with the current weights.
 - ``one_step_off_policy``: a background rollouter may run one parameter version ahead (batch s+1 is
   generated while step s trains); the bound is ``min(1, rollout.scheduler.max_staleness)``.
 - ``fully_async``: the background rollouter runs up to ``max_staleness`` versions ahead (admission
-  control); finished groups wait in the MessageQueue, are consumed in ``windowed_fifo`` order, and groups
-  older than ``buffer.stale_filter.max_policy_lag`` are dropped at consumption.
+  control); finished groups wait in the MessageQueue (``message_queue.max_queue_size``, oldest dropped when
+  full), are moved in ``windowed_fifo`` order into the replay buffer (``rollout.partial_rollout.
+  replay_buffer_size``), which hands the trainer the highest-priority (``buffer.type: priority``) or oldest
+  (``fifo``) groups; the rest wait there across steps. Groups older than ``buffer.stale_filter.
+  max_policy_lag`` are dropped at consumption.
 
-Every group of step s is generated from the same tasks and seeds in every mode, so with staleness 0 the
-async modes reproduce ``sync`` exactly (tests/test_modes.py).
+Every group is made by ``GroupProducer.produce`` (rollouts → diversity bonus → degenerate-group
+resampling) from the same task, step and seeds in every mode, so with staleness 0 the async modes reproduce
+``sync`` exactly (tests/test_modes.py). A group the filter gives up on is delivered marked ``dropped``: it
+fills its place in the step (as in sync) and is not trained.
+
+Accounting (in samples = trajectories), checked by ``AsyncSource.check_accounting``:
+
+    queue/total_produced = queue/total_consumed + queue/dropped_samples + queue/stale_samples + queue/queued_samples
+
+with consumed = delivered to the trainer, dropped = queue overflow + replay-buffer evictions, stale = removed
+by the stale filter, queued = in the queue + held in the replay buffer.
 """
 
 from __future__ import annotations
@@ -17,15 +29,18 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.queue import MessageQueue, QueuedGroup
-from tether.pipeline.rollouter import RolloutError, Rollouter, record_rollout_metrics
+from tether.pipeline.rollouter import RolloutError, record_rollout_metrics
 from tether.pipeline.scheduler import window_for
+from tether.pipeline.shaping import GroupProducer, Produced, record_production_metrics
 from tether.pipeline.staleness import AdmissionController, stale_filter, version_lag_stats
+from tether.pipeline.weights import WeightSync
 from tether.types import Group, Task
 
 log = logging.getLogger(__name__)
@@ -33,44 +48,58 @@ log = logging.getLogger(__name__)
 Sizes = Callable[[list[Task]], list[int]]  # rollouts per task of a step (rollout_allocation)
 
 
+@dataclass
+class StepBatch:
+    """What the trainer gets for one step."""
+
+    produced: list[Produced]  # every group delivered for the step, in start order
+    wait_s: float  # how long the trainer waited for it
+
+    @property
+    def groups(self) -> list[Group]:
+        """The groups to train on: the delivered ones the degenerate-group filter did not give up on."""
+        return [p.group for p in self.produced if not p.dropped]
+
+
 class BatchSource(Protocol):
-    last_wait_s: float  # how long the last next_batch call waited for rollouts
-
-    def next_batch(self, step: int) -> list[Group]:
-        """The ``prompts_per_step`` groups the trainer trains on at ``step``."""
-
-    def on_weights(self, version: int) -> None:
-        """The engine now generates with parameter ``version`` (called after every weight push)."""
+    def next_batch(self, step: int) -> StepBatch:
+        """The ``prompts_per_step`` groups of ``step``."""
 
     def close(self) -> None: ...
 
 
-def step_seed(seed: int, step: int) -> int:
-    return seed * 100_003 + step
+def _record_batch(produced: list[Produced], version: int, hacking_patterns: tuple[str, ...],
+                  elapsed_s: float | None) -> None:
+    trajs = [t for p in produced for t in p.group.trajectories]
+    if trajs:
+        record_rollout_metrics(trajs, elapsed_s, hacking_patterns)
+    record_production_metrics(produced)
+    for k, v in version_lag_stats(trajs, version).items():
+        record_metric(k, v, "last")
 
 
 class SyncSource:
-    def __init__(self, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]], sizes: Sizes, seed: int,
-                 hacking_patterns: tuple[str, ...] = (), start_step: int = 0):
-        self.rollouter, self.batch_tasks, self.sizes, self.seed = rollouter, batch_tasks, sizes, seed
-        self.hacking_patterns = hacking_patterns
-        self.version = start_step
-        self.last_wait_s = 0.0
+    def __init__(self, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]], sizes: Sizes,
+                 weights: WeightSync, *, max_groups_in_flight: int, hacking_patterns: tuple[str, ...] = ()):
+        self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
+        self.max_groups_in_flight, self.hacking_patterns = max_groups_in_flight, hacking_patterns
 
-    def next_batch(self, step: int) -> list[Group]:
-        t = time.perf_counter()
+    async def _produce(self, step: int) -> list[Produced]:
         tasks = self.batch_tasks(step)
-        groups = asyncio.run(self.rollouter.groups(tasks, self.sizes(tasks), step_seed(self.seed, step)))
-        elapsed = time.perf_counter() - t
-        trajs = [tr for g in groups for tr in g.trajectories]
-        record_rollout_metrics(trajs, elapsed, self.hacking_patterns)
-        for k, v in version_lag_stats(trajs, self.version).items():
-            record_metric(k, v, "last")
-        self.last_wait_s = elapsed  # the trainer waits for the whole rollout
-        return groups
+        sem = asyncio.Semaphore(self.max_groups_in_flight)
 
-    def on_weights(self, version: int) -> None:
-        self.version = version
+        async def one(k: int, task: Task, size: int) -> Produced:
+            async with sem:
+                return await self.producer.produce(task, size, step, k)
+
+        return list(await asyncio.gather(*(one(k, t, n) for k, (t, n) in enumerate(zip(tasks, self.sizes(tasks))))))
+
+    def next_batch(self, step: int) -> StepBatch:
+        t = time.perf_counter()
+        produced = asyncio.run(self._produce(step))
+        elapsed = time.perf_counter() - t
+        _record_batch(produced, self.weights.version, self.hacking_patterns, elapsed)
+        return StepBatch(produced, elapsed)
 
     def close(self) -> None:
         pass
@@ -79,28 +108,29 @@ class SyncSource:
 class AsyncSource:
     """A rollouter running in a background thread (its own event loop), feeding the MessageQueue."""
 
-    def __init__(self, cfg: RunConfig, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]],
-                 sizes: Sizes, group_size: int, groups_per_step: int, *, start_step: int, max_staleness: int,
-                 hacking_patterns: tuple[str, ...] = ()):
-        self.rollouter, self.batch_tasks, self.sizes, self.group_size = rollouter, batch_tasks, sizes, group_size
-        self.groups_per_step, self.seed = groups_per_step, cfg.trainer.seed
+    def __init__(self, cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
+                 sizes: Sizes, weights: WeightSync, *, max_groups_in_flight: int, groups_per_step: int,
+                 start_step: int, max_staleness: int, hacking_patterns: tuple[str, ...] = ()):
+        self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
+        self.max_groups_in_flight, self.groups_per_step = max_groups_in_flight, groups_per_step
+        group_size = cfg.policy_optimization.advantage.group_size
         # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
         self.groups_per_take = max(1, cfg.trainer.ppo_mini_batch_size // group_size)
         self.hacking_patterns = hacking_patterns
         self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
-        self.sync_every = cfg.trainer.trigger_parameter_sync_step
         sched = cfg.rollout.scheduler
-        self.queue_capacity = cfg.message_queue.max_queue_size
-        self.queue = MessageQueue(self.queue_capacity, window_for(sched.type, sched.window_size))
+        self.queue = MessageQueue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
         buf = cfg.buffer
-        self.buffer = None if buf.type == "fifo" else ReplayBuffer(
-            cfg.rollout.partial_rollout.replay_buffer_size, buf.type, buf.freshness_weight, buf.diversity_weight,
-            seed=cfg.trainer.seed, version=start_step)
-        # Admission counts groups per *parameter version*: one version is pushed every sync_every steps.
-        self.admission = AdmissionController(max_staleness, groups_per_step * self.sync_every, initial_version=start_step)
-        self.version = start_step  # parameter version the engine generates with
+        self.buffer = ReplayBuffer(cfg.rollout.partial_rollout.replay_buffer_size, buf.type, buf.freshness_weight,
+                                   buf.diversity_weight, version=weights.version)
+        # Admission counts groups per parameter version: one version is pushed every sync_every steps.
+        sync_every = cfg.trainer.trigger_parameter_sync_step
+        self.admission = AdmissionController(max_staleness, groups_per_step * sync_every,
+                                             initial_version=weights.version)
+        weights.subscribe(self.admission.on_version)
+        weights.subscribe(self.buffer.on_version)
         self.start_step = start_step
-        self.last_wait_s = 0.0
+        self._consumed = 0  # samples delivered to the trainer
         self._stop = threading.Event()
         self._busy_since: float | None = None
         self._in_flight = 0
@@ -120,31 +150,31 @@ class AsyncSource:
             self.queue.close()
 
     async def _produce(self) -> None:
-        sem = asyncio.Semaphore(max(1, self.rollouter.max_concurrent // self.group_size))  # groups in flight
+        sem = asyncio.Semaphore(self.max_groups_in_flight)
         pending: set[asyncio.Task] = set()
         step = self.start_step
         while not self._stop.is_set():
             step += 1
             tasks = self.batch_tasks(step)
-            for task, size in zip(tasks, self.sizes(tasks)):
+            for k, (task, size) in enumerate(zip(tasks, self.sizes(tasks))):
                 seq = None
                 while seq is None and not self._stop.is_set():
                     seq = await self.admission.wait_to_start_async(timeout=0.2)
                 if seq is None:
                     break
                 await sem.acquire()
-                job = asyncio.create_task(self._one(task, size, step, seq, sem))
+                job = asyncio.create_task(self._one(task, size, step, k, seq, sem))
                 pending.add(job)
                 job.add_done_callback(pending.discard)
         for job in pending:
             job.cancel()
 
-    async def _one(self, task: Task, size: int, step: int, seq: int, sem: asyncio.Semaphore) -> None:
+    async def _one(self, task: Task, size: int, step: int, index: int, seq: int, sem: asyncio.Semaphore) -> None:
         self._mark(+1)
-        start_version = self.version
+        start_version = self.weights.version
         try:
-            group = await self.rollouter.group(task, size, step_seed(self.seed, step))
-            self.queue.put(QueuedGroup(group, seq, start_version))
+            produced = await self.producer.produce(task, size, step, index)
+            self.queue.put(QueuedGroup(produced.group, seq, start_version, produced=produced))
         except RolloutError as e:  # counted and logged; the window and the admission count move on
             self.queue.abandon(seq)
             self.admission.release()
@@ -165,52 +195,68 @@ class AsyncSource:
                 self._busy_since = None
 
     # -- trainer side --------------------------------------------------------------------------------
-    def _take(self, n: int) -> list[QueuedGroup]:
-        """Up to n finished groups: straight from the queue, or — with ``buffer.type: priority`` — through
-        the replay buffer (everything finished moves into it; n are sampled by freshness and diversity)."""
-        have = len(self.buffer) if self.buffer is not None else 0
-        got = self.queue.get_batch(n - have, timeout=600.0) if have < n else []
-        if self._error is not None:
-            raise RuntimeError("the rollouter failed") from self._error
-        if got is None:
-            raise RuntimeError("no rollouts arrived for 600 s: is the engine or a tool stuck?")
-        if self.buffer is None:
-            return got
-        for q in got + (self.queue.get_batch_nowait(self.queue_capacity) or []):
-            self.buffer.add(q)
-        self.buffer.on_version(self.version)
-        return self.buffer.sample(n)
+    def _drop_stale(self, records: list[QueuedGroup]) -> None:
+        if records:
+            self.queue.report_stale(records)
+            record_metric("rollout/stale_trajectory_processed", sum(q.num_samples for q in records), "sum")
 
-    def next_batch(self, step: int) -> list[Group]:
+    def _take(self, n: int) -> list[QueuedGroup]:
+        """Up to n groups: every finished group moves from the queue into the replay buffer (waiting until the
+        buffer holds n, or at least one when it held none), which hands out its first n."""
+        if self.max_policy_lag is not None:
+            self._drop_stale(self.buffer.remove_stale(self.max_policy_lag))
+        missing = n - len(self.buffer)
+        if missing > 0:
+            got = self.queue.get_batch(missing, timeout=600.0)
+            if self._error is not None:
+                raise RuntimeError("the rollouter failed") from self._error
+            if got is None:
+                raise RuntimeError("no rollouts arrived for 600 s: is the engine or a tool stuck?")
+        else:
+            got = []
+        for record in got + self.queue.get_available():
+            self.buffer.add(record)
+        return self.buffer.take(n)
+
+    def next_batch(self, step: int) -> StepBatch:
         t = time.perf_counter()
         kept: list[QueuedGroup] = []
         while len(kept) < self.groups_per_step:
             got = self._take(min(self.groups_per_take, self.groups_per_step - len(kept)))
             if self.max_policy_lag is not None:
-                fresh, stale = stale_filter(got, self.version, self.max_policy_lag)
-                if stale:
-                    self.queue.report_stale(stale)
-                    record_metric("rollout/stale_trajectory_processed", sum(q.num_samples for q in stale), "sum")
-                got = fresh
+                got, stale = stale_filter(got, self.weights.version, self.max_policy_lag)
+                self._drop_stale(stale)
             kept += got
         wait = time.perf_counter() - t
         kept.sort(key=lambda q: q.seq)  # start order: the batch sync would have built
-        groups = [q.group for q in kept]
-        trajs = [tr for g in groups for tr in g.trajectories]
-        record_rollout_metrics(trajs, None, self.hacking_patterns)
+        self._consumed += sum(q.num_samples for q in kept)
+        produced = [q.produced for q in kept]
+        _record_batch(produced, self.weights.version, self.hacking_patterns, None)
         record_metric("rollout/stale_trajectory_processed", 0.0, "sum")
-        extra = self.buffer.metrics() if self.buffer is not None else {}
-        for k, v in {**version_lag_stats(trajs, self.version), **self.queue.metrics(), **extra}.items():
+        for k, v in {**self.accounting(), **self.buffer.metrics()}.items():
             record_metric(k, v, "last")
-        self.last_wait_s = wait
         with self._lock:
             busy = self._busy_s + (time.perf_counter() - self._busy_since if self._busy_since else 0.0)
         record_metric("perf/rollouter_idle_ratio", 1.0 - busy / max(time.perf_counter() - self._t0, 1e-9), "last")
-        return groups
+        return StepBatch(produced, wait)
 
-    def on_weights(self, version: int) -> None:
-        self.version = version
-        self.admission.on_version(version)
+    def accounting(self) -> dict[str, float]:
+        """The pipeline's sample counters (queue and replay buffer together; see the module docstring)."""
+        q = self.queue.metrics()
+        return {"queue/total_produced": q["queue/total_produced"],
+                "queue/total_consumed": float(self._consumed),
+                "queue/dropped_samples": q["queue/dropped_samples"] + self.buffer.evicted_samples,
+                "queue/stale_samples": q["queue/stale_samples"],
+                "queue/queued_samples": q["queue/queued_samples"] + self.buffer.held_samples,
+                "queue/size": q["queue/size"]}
+
+    def check_accounting(self) -> None:
+        """Raise ``AssertionError`` with the numbers unless produced = consumed + dropped + stale + queued."""
+        self.queue.check_accounting()
+        a = self.accounting()
+        rest = sum(a[f"queue/{k}"] for k in ("total_consumed", "dropped_samples", "stale_samples", "queued_samples"))
+        if a["queue/total_produced"] != rest:
+            raise AssertionError(f"pipeline accounting broken: {a}")
 
     def close(self) -> None:
         self._stop.set()
@@ -219,15 +265,18 @@ class AsyncSource:
         self._thread.join(timeout=30)
 
 
-def make_source(cfg: RunConfig, rollouter: Rollouter, batch_tasks: Callable[[int], list[Task]], *,
-                start_step: int, hacking_patterns: tuple[str, ...] = (), sizes: Sizes | None = None) -> BatchSource:
+def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
+                weights: WeightSync, *, start_step: int, sizes: Sizes, hacking_patterns: tuple[str, ...] = (),
+                max_concurrent: int) -> BatchSource:
     group_size = cfg.policy_optimization.advantage.group_size
-    sizes = sizes or (lambda tasks: [group_size] * len(tasks))
+    in_flight = max(1, max_concurrent // group_size)  # groups in flight: rollout.worker.max_concurrent_tasks
     mode = cfg.rollout.mode
     if mode == "sync":
-        return SyncSource(rollouter, batch_tasks, sizes, cfg.trainer.seed, hacking_patterns, start_step)
+        return SyncSource(producer, batch_tasks, sizes, weights, max_groups_in_flight=in_flight,
+                          hacking_patterns=hacking_patterns)
     staleness = cfg.rollout.scheduler.max_staleness
     if mode == "one_step_off_policy":
         staleness = min(1, staleness)
-    return AsyncSource(cfg, rollouter, batch_tasks, sizes, group_size, cfg.derived()["prompts_per_step"],
-                       start_step=start_step, max_staleness=staleness, hacking_patterns=hacking_patterns)
+    return AsyncSource(cfg, producer, batch_tasks, sizes, weights, max_groups_in_flight=in_flight,
+                       groups_per_step=cfg.derived()["prompts_per_step"], start_step=start_step,
+                       max_staleness=staleness, hacking_patterns=hacking_patterns)

@@ -4,6 +4,7 @@ at each evaluation, a small table of sample rollouts."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 from rich.table import Table
@@ -27,6 +28,10 @@ class Progress:
     def note(self, text: str) -> None:
         if self.enabled:
             self.console.print(f"[dim]{text}[/dim]")
+
+    def warn(self, text: str) -> None:
+        """Shown even when the progress bar is off: a warning is for the person running the job."""
+        self.console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False)
 
     def update(self, step: int, row: dict[str, float]) -> None:
         stats = (f"reward {row.get('reward/mean', float('nan')):.3f}  "

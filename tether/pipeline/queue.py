@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from tether.pipeline.scheduler import Signal, StartOrder, plan_batch
 from tether.pipeline.staleness import oldest_version
@@ -41,6 +41,7 @@ class QueuedGroup:
     seq: int  # start position: the order the rollouter started it (AdmissionController.try_start)
     start_version: int  # parameter version when it started (-1 = unknown)
     finish_time: float = field(default_factory=time.monotonic)  # time.monotonic() when it finished
+    produced: Any = None  # the producer's record of how it was made (``shaping.Produced``), if any
 
     @property
     def num_samples(self) -> int:
@@ -123,9 +124,9 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ consumer side
 
-    def _take_locked(self, n: int) -> list[QueuedGroup] | None:
+    def _take_locked(self, n: int, *, partial: bool = False) -> list[QueuedGroup] | None:
         seqs = plan_batch(list(self._items), self._order, self.window_size, n)
-        if len(seqs) < n:
+        if len(seqs) < n and not partial:
             return None
         batch = [self._items.pop(s) for s in seqs]
         for s in seqs:
@@ -159,6 +160,11 @@ class MessageQueue:
         self._check_n(n)
         with self._signal.lock:
             return self._take_locked(n)
+
+    def get_available(self) -> list[QueuedGroup]:
+        """Every group that may be taken now under the schedule (possibly none); never blocks."""
+        with self._signal.lock:
+            return self._take_locked(len(self._items), partial=True) or []
 
     def get(self, timeout: float | None = None) -> QueuedGroup | None:
         batch = self.get_batch(1, timeout)

@@ -1,32 +1,39 @@
-"""From finished groups to the batch the learner trains on, and how many rollouts each task gets.
+"""Group production — what the batch source (modes.py) asks for — and how many rollouts each task gets.
 
-Per trainer step, after the batch source (modes.py) delivered its groups:
+A group is produced in one place, the same way in every ``rollout.mode`` (``GroupProducer.produce``):
 
-1. **Diversity bonus** (``exploration.diversity_bonus``): each successful trajectory gets coef / (successful
+1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task).
+2. **Diversity bonus** (``exploration.diversity_bonus``): each successful trajectory gets coef / (successful
    trajectories of its group with the same strategy) added to its reward, so a group that solved the task
    in k distinct ways earns k·coef between them (``tether.algo.diversity``: the strategy is the sequence of
    tool calls with canonical arguments plus the facts of the final answer; clusters are exact matches).
-2. **Degenerate-group filter** (``advantage.degenerate_group_filter``): a group whose reward std is at most
+3. **Degenerate-group filter** (``advantage.degenerate_group_filter``): a group whose reward std is at most
    ``min_reward_std`` carries no learning signal (its group-relative advantages are ~0). Its task is generated
-   again with fresh seeds, up to ``resample_attempts`` times, under the current weights; a group still
-   degenerate after that is dropped and the step trains on fewer trajectories.
-3. **Rollout allocation** (``rollout_allocation``): ``fixed`` gives every task ``group_size`` rollouts;
+   again with fresh seeds, up to ``resample_attempts`` times, under the weights of the moment; a group still
+   degenerate after that is delivered marked ``dropped`` and the step trains on fewer trajectories.
+
+Because this runs inside the producer, in the async modes a resampled group holds the admission slot of the
+group it replaces (so it is bounded by ``max_staleness`` like any other: it starts later, hence fresher) and
+reaches the trainer through the MessageQueue, whose accounting counts it once. The metrics of a group are
+recorded by the consumer, when the trainer takes it (``record_production_metrics``), so that a step's row
+describes the groups of that step in every mode.
+
+4. **Rollout allocation** (``rollout_allocation``): ``fixed`` gives every task ``group_size`` rollouts;
    ``adaptive`` gives the tasks of a step between 2 and ``max_rollouts_per_prompt`` rollouts, ∝ √(variance of
    the task's recent rewards — its kind's, for a task not seen yet), with the step's total kept at
    group_size × tasks (``tether.algo.allocation``). The statistics are re-read every ``reallocation_interval``
    steps.
 
 Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
-``optim/degenerate_group_ratio_before_filter`` (as generated), ``optim/degenerate_group_ratio`` (as trained,
+``optim/degenerate_group_ratio_before_filter`` (first attempts), ``optim/degenerate_group_ratio`` (as trained,
 recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled_trajectories``,
-``rollout/dropped_groups``,
+``rollout/dropped_groups``, ``rollout/generated_trajectories`` (first attempts),
 ``rollout/allocation_max`` / ``_min``.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Callable
+from dataclasses import dataclass, field
 
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts
 from tether.algo.diversity import diversity_bonus, strategy_signature
@@ -37,8 +44,14 @@ from tether.pipeline.rollouter import Rollouter, episode_seed
 from tether.types import Group, Task
 
 
-def add_diversity_bonus(groups: list[Group], coef: float) -> None:
-    """Add the diversity bonus to every trajectory's reward, in place (component ``diversity_bonus``)."""
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``'s first attempts (episode seeds derive from it and the task)."""
+    return seed * 100_003 + step
+
+
+def add_diversity_bonus(groups: list[Group], coef: float) -> dict[str, float]:
+    """Add the diversity bonus to every trajectory's reward, in place (component ``diversity_bonus``);
+    returns ``diversity_bonus_mean`` and ``semantic_cluster_count`` (means over ``groups``)."""
     sigs = [[strategy_signature(t.messages) for t in g.trajectories] for g in groups]
     wins = [[t.success for t in g.trajectories] for g in groups]
     bonuses, m = diversity_bonus(sigs, wins, coef=coef)
@@ -46,47 +59,83 @@ def add_diversity_bonus(groups: list[Group], coef: float) -> None:
         for t, b in zip(g.trajectories, bs):
             t.reward += b
             t.reward_components["diversity_bonus"] = b
-    record_metric("reward/diversity_bonus_mean", m["diversity_bonus_mean"])
-    record_metric("rollout/semantic_cluster_count", m["semantic_cluster_count"])
+    return m
 
 
-class DegenerateFilter:
-    """Resample, then drop, the groups whose rewards do not differ (see the module docstring)."""
+@dataclass
+class Produced:
+    """A finished group as the producer delivers it, with what it took to get it."""
 
-    def __init__(self, cfg: RunConfig, rollouter: Rollouter, tasks: dict[str, Task],
-                 shape: Callable[[list[Group]], None]):
-        f = cfg.policy_optimization.advantage.degenerate_group_filter
-        self.min_std, self.attempts = f.min_reward_std, f.resample_attempts
-        self.rollouter, self.tasks, self.shape, self.seed = rollouter, tasks, shape, cfg.trainer.seed
+    group: Group
+    step: int  # the step whose task list it came from
+    index: int  # its position in that list
+    first_degenerate: bool = False  # the first attempt's rewards did not differ
+    resampled: int = 0  # further attempts made by the degenerate-group filter
+    resampled_trajectories: int = 0
+    first_trajectories: int = 0
+    dropped: bool = False  # still degenerate after every attempt: delivered, not trained
+    any_success: bool = False  # some trajectory of some attempt succeeded
+    bonus: dict[str, float] = field(default_factory=dict)  # diversity metrics of the delivered group
 
-    def __call__(self, groups: list[Group], step: int) -> list[Group]:
-        """The groups to train on, in order. Every degenerate group of a round is regenerated at once."""
-        flags, m = degenerate_groups([g.rewards for g in groups], min_reward_std=self.min_std)
-        record_metric("optim/degenerate_group_ratio_before_filter", m["degenerate_group_ratio"])
-        groups, resampled, regenerated = list(groups), 0, 0
-        pending = [k for k, flag in enumerate(flags) if flag]
-        attempt = 0
-        while pending and resample_or_drop(attempt, self.attempts) == "resample":
-            attempt += 1
-            fresh = asyncio.run(self._regenerate([groups[k] for k in pending], step, pending, attempt))
-            self.shape(fresh)
-            for k, g in zip(pending, fresh):
-                groups[k] = g
-            resampled += len(pending)
-            regenerated += sum(len(g.trajectories) for g in fresh)
-            flags = degenerate_groups([g.rewards for g in fresh], min_reward_std=self.min_std)[0]
-            pending = [k for k, flag in zip(pending, flags) if flag]
-        record_metric("rollout/resampled_groups", resampled, "sum")
-        record_metric("rollout/dropped_groups", len(pending), "sum")
-        record_metric("rollout/resampled_trajectories", regenerated, "sum")
-        dropped = set(pending)
-        return [g for k, g in enumerate(groups) if k not in dropped]
 
-    async def _regenerate(self, old: list[Group], step: int, index: list[int], attempt: int) -> list[Group]:
-        jobs = [self.rollouter.group(self.tasks[g.task_id], len(g.trajectories),
-                                     episode_seed(self.seed, f"resample:{step}:{k}", attempt))
-                for g, k in zip(old, index)]
-        return list(await asyncio.gather(*jobs))
+class GroupProducer:
+    """Rollouts of one task → diversity bonus → degenerate-group resampling (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, rollouter: Rollouter):
+        po = cfg.policy_optimization
+        self.rollouter, self.seed = rollouter, cfg.trainer.seed
+        bonus = po.exploration.diversity_bonus
+        self.bonus_coef = bonus.coef if bonus.enabled else 0.0
+        f = po.advantage.degenerate_group_filter
+        self.filter, self.min_std, self.attempts = f.enabled, f.min_reward_std, f.resample_attempts
+
+    def _degenerate(self, group: Group) -> bool:
+        return degenerate_groups([group.rewards], min_reward_std=self.min_std)[0][0]
+
+    def _shape(self, group: Group) -> dict[str, float]:
+        return add_diversity_bonus([group], self.bonus_coef) if self.bonus_coef > 0 else {}
+
+    async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
+        group = await self.rollouter.group(task, size, step_seed(self.seed, step))
+        out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
+        out.first_degenerate = degenerate = self._degenerate(group)
+        out.any_success = any(t.success for t in group.trajectories)
+        while degenerate and self.filter and resample_or_drop(out.resampled, self.attempts) == "resample":
+            out.resampled += 1
+            seed = episode_seed(self.seed, f"resample:{step}:{index}", out.resampled)
+            group = await self.rollouter.group(task, size, seed)
+            out.group, out.bonus = group, self._shape(group)
+            out.resampled_trajectories += size
+            out.any_success |= any(t.success for t in group.trajectories)
+            degenerate = self._degenerate(group)
+        out.dropped = degenerate and self.filter
+        return out
+
+
+def record_production_metrics(batch: list[Produced]) -> None:
+    """The shaping metrics of the groups the trainer took at this step (called by the consumer)."""
+    if not batch:
+        return
+    n = len(batch)
+    record_metric("optim/degenerate_group_ratio_before_filter", sum(p.first_degenerate for p in batch) / n)
+    record_metric("rollout/generated_trajectories", sum(p.first_trajectories for p in batch), "sum")
+    record_metric("rollout/resampled_groups", sum(p.resampled for p in batch), "sum")
+    record_metric("rollout/resampled_trajectories", sum(p.resampled_trajectories for p in batch), "sum")
+    record_metric("rollout/dropped_groups", sum(p.dropped for p in batch), "sum")
+    for key, name in (("diversity_bonus_mean", "reward/diversity_bonus_mean"),
+                      ("semantic_cluster_count", "rollout/semantic_cluster_count")):
+        values = [p.bonus[key] for p in batch if key in p.bonus]
+        if values:
+            record_metric(name, sum(values) / len(values))
+
+
+def no_signal_warning(batch: list[Produced], step: int) -> str | None:
+    """A one-line diagnosis when no group of the step carries signal because nothing ever succeeds."""
+    if batch and all(p.first_degenerate for p in batch) and not any(p.any_success for p in batch):
+        return (f"step {step}: every group is degenerate and no rollout succeeded (even resampled), so there is "
+                "nothing to learn from. Remedy: warm-start the policy (`tether sft`, or model.preset: tiny-sft), "
+                "use easier tasks, or give each task more rollouts (policy_optimization.advantage.group_size).")
+    return None
 
 
 class RolloutAllocator:

@@ -1,0 +1,48 @@
+"""Weight sync and the one owner of the parameter version.
+
+``param_version`` counts weight syncs: the trainer pushes its weights to the rollout engine every
+``trainer.trigger_parameter_sync_step`` steps (every step in ``sync`` mode), and the version goes up by one.
+So after step s the engine generates with version ⌊s / every⌋, a pure function of the step — a resumed run
+knows its version without storing it. Every token a policy sampled carries the version that sampled it;
+staleness (``max_staleness``, ``max_policy_lag``, ``rollout/policy_version_lag_*``) is counted in these
+versions, as in verl's fully-async trainer and AReaL.
+
+``WeightSync.version`` is the only copy the pipeline reads; the pieces that must react to a new version
+(admission control, the replay buffer's freshness) subscribe to it instead of keeping their own count.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from tether.metrics import record_metric
+
+
+class WeightSync:
+    def __init__(self, engine: Any, learner: Any, every: int, *, start_step: int = 0):
+        if every < 1:
+            raise ValueError(f"trainer.trigger_parameter_sync_step must be >= 1, got {every}")
+        self.engine, self.learner, self.every = engine, learner, every
+        self.version = start_step // every
+        self._listeners: list[Callable[[int], None]] = []
+
+    def subscribe(self, listener: Callable[[int], None]) -> None:
+        """``listener(version)`` is called after every push."""
+        self._listeners.append(listener)
+
+    def push(self) -> None:
+        """Load the learner's weights into the engine as ``self.version`` and tell the subscribers."""
+        t = time.perf_counter()
+        self.engine.update_weights(self.learner.state_dict_for_engine(), self.version)
+        for listener in self._listeners:
+            listener(self.version)
+        record_metric("perf/weight_sync_s", time.perf_counter() - t, "sum")
+
+    def after_step(self, step: int) -> bool:
+        """Sync when ``step`` completes a sync interval; returns whether it did."""
+        if step % self.every:
+            return False
+        self.version = step // self.every
+        self.push()
+        return True
