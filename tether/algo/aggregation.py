@@ -12,7 +12,14 @@ Fully masked sequences (every m_{i,t} = 0, e.g. a trajectory dropped by an overl
     current ``agg_loss``, so dropping a sample does not shrink the weight of the others.
   * seq_mean_token_sum_norm: they add 0 to the numerator but still count in B — Dr. GRPO's normaliser is a
     constant (TRL's ``dr_grpo`` divides by ``loss.size(0) * max_completion_length``), independent of the data.
+    Departure from verl: its ``seq-mean-token-sum-norm`` leaves fully masked sequences out of B, as for
+    ``seq-mean-token-mean``; here B counts them, as TRL does.
   A batch in which everything is masked aggregates to 0.
+
+Dr. GRPO's norm_len defaults to this batch's padded length L = mask.shape[-1], as verl's ``agg_loss`` does when
+``loss_scale_factor`` is None; that changes with the data, so pass the constant. The learner passes
+``engine.max_tokens × agent_loop.max_assistant_turns`` (``learner.objective.max_response_tokens``).
+verl's ``token-sum`` and ``seq-mean-token-sum`` modes are not implemented.
 
 Gradient accumulation. Each mode divides a sum over tokens by a denominator; the sum splits over
 micro-batches, the denominator does not. ``loss_denominator(mask, mode)`` gives that denominator for a mask and
@@ -21,6 +28,7 @@ is additive, so a learner computes ``denom = Σ_micro loss_denominator(mb.mask, 
 and passes it to ``aggregate(..., denom=denom)`` for every micro-batch: the sum of the micro-batch losses is then
 the full-batch loss, and so is the gradient. For ``seq_mean_token_sum_norm`` also pass ``norm_len`` explicitly
 (the configured max response length): micro-batches are padded to different L, so the default would differ.
+verl passes the same global counts (``batch_num_tokens``, ``global_batch_size``) and multiplies by dp_size.
 """
 
 from __future__ import annotations
@@ -88,7 +96,8 @@ def aggregate(
         mask: [B, L] 1 where the token is trained on (model-sampled), 0 elsewhere. Values at masked positions of
             ``loss_per_token`` are ignored, even inf/NaN in the forward pass.
         mode: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm".
-        norm_len: Dr. GRPO's constant length (seq_mean_token_sum_norm only); default L = mask.shape[-1].
+        norm_len: Dr. GRPO's constant length (seq_mean_token_sum_norm only); default L = mask.shape[-1], which
+            varies with the batch (pass the configured maximum response length instead).
         denom: global denominator for gradient accumulation, in the units of ``loss_denominator(mask, mode)``;
             default: this batch's own.
 

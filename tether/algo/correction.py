@@ -171,8 +171,11 @@ def decoupled_surrogate(
         ℓ = w · max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))     Hilton et al. 2021 (arXiv 2110.00641)
 
     which is ``clipped_surrogate(logp, prox_logp, ...)`` with ``weights = w``. Hilton's objective leaves w
-    untruncated; AReaL (arXiv 2505.24298) drops tokens with w above its cap instead of truncating them — that is
-    ``is_weights(method="double_sided", ...)`` followed by ``clipped_surrogate`` with those weights.
+    untruncated. AReaL (arXiv 2505.24298, ``ppo_actor_loss_fn``'s ``behav_imp_weight_cap``) instead zeroes the
+    weight of tokens with w above its cap, keeping them in the token-count denominator, and has no lower bound;
+    the nearest here is ``is_weights(method="double_sided", clip_ratio_high=cap − 1, clip_ratio_low=ε_low)``
+    followed by ``clipped_surrogate`` with those weights, which also rejects w < 1 − ε_low (ε_low < 1, so that
+    lower bound cannot be switched off). AReaL also takes w = exp(log π_prox − log π_behav) unclamped.
     With π_prox = π_behav it is PPO (w = 1). Not a ``PolicyLossFn``: it takes ``behav_logp`` as well.
 
     Args:

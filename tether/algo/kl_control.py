@@ -5,7 +5,11 @@ The coefficient β of the KL-to-reference term (``kl.kl_penalty``) is either fix
     e = clip(KL / KL_target − 1, −0.2, 0.2)          proportional error, clipped
     β ← β · (1 + e · n_steps / horizon)              Ziegler et al. 2019 (arXiv 1909.08593), §2.2
 
-as verl's ``AdaptiveKLController`` (``algorithm.kl_ctrl``: horizon 10000; n_steps = the batch's sample count).
+the same update as verl's ``AdaptiveKLController`` (``algorithm.kl_ctrl``: horizon 10000; n_steps = the batch's
+sample count). Where it is used differs: verl steers only the KL penalty *in the reward* (``use_kl_in_reward``,
+KL = mean over sequences of each sequence's token-mean k1 by default) and keeps the actor's KL *loss* coefficient
+``kl_loss_coef`` fixed; here the controller steers β of the KL loss term (there is no in-reward KL), with KL =
+the step's token-mean of the configured estimator.
 The clip bounds one update's change of β to ±20 % · n_steps / horizon, so one noisy KL estimate cannot swing it.
 
 ``exceeds_max_kl`` is a hard guard, not a controller: the learner stops the remaining optimizer updates of a

@@ -1,7 +1,9 @@
 """Per-token log-probabilities and entropies from logits, without a full [B, L, V] log-softmax in memory.
 
-Both work on chunks of ``chunk_tokens`` positions, upcast to float32 one chunk at a time, as TRL's
-``selective_log_softmax`` and verl's ``entropy_from_logits_with_chunking`` do. Under ``torch.no_grad()`` (old and
+Both work on chunks of ``chunk_tokens`` positions, upcast to float32 one chunk at a time, as verl's
+``entropy_from_logits_with_chunking`` does (chunks of 2048 positions, ``.float()``). TRL's ``selective_log_softmax``
+saves memory the same way but loops over sequences (rows) rather than chunks of positions, and does not upcast:
+bf16 logits get a bf16 log_softmax. Under ``torch.no_grad()`` (old and
 reference log-probs) the peak extra memory is one float32 chunk; with autograd each chunk's float32 copy is kept
 for the backward pass, so the saving there is only the log-softmax output.
 

@@ -89,7 +89,9 @@ def clipped_surrogate(
 
     ε_low ≠ ε_high is DAPO's "clip-higher" (Yu et al. 2025, arXiv 2503.14476: ε_low = 0.2, ε_high = 0.28; the
     seed config's ``clip_higher: 0.28`` is ε_high). Dual clip bounds the loss of a negative-advantage token whose
-    ratio has run away (r > c), where plain PPO's max() would let −A·r grow without bound; verl uses c = 3.
+    ratio has run away (r > c), where plain PPO's max() would let −A·r grow without bound; verl's
+    ``compute_policy_loss_vanilla`` does the same with ``clip_ratio_c`` (default 3, always on there; here the
+    config's ``policy_optimization.clip_ratio_c``, None = off).
 
     A token is counted as clipped only when the clip is active, i.e. its gradient is cut: r < 1 − ε_low with
     A < 0 (``clip_ratio_low``), r > 1 + ε_high with A > 0 (``clip_ratio_high``), as TRL counts them. A ratio
@@ -111,7 +113,8 @@ def clipped_surrogate(
     Returns:
         loss: [B, L] per-token loss, 0 where mask is 0.
         metrics: ``clip_ratio_low``, ``clip_ratio_high``, ``dual_clip_ratio`` (r > c with A < 0; 0 without dual
-            clip), ``ratio_mean`` (mean r), ``ppo_kl`` (mean of log π_old − log π_θ, verl's ``ppo_kl``).
+            clip), ``ratio_mean`` (mean r), ``ppo_kl`` (mean of log π_old − log π_θ; verl's ``ppo_kl`` averages
+            the log-ratio after its ±20 clamp, this one before).
     """
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")

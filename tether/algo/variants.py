@@ -46,6 +46,12 @@ def gspo_surrogate(
     Implemented as ``clipped_surrogate`` on the pseudo log-ratio log s_i + (log π_θ − sg[log π_θ]): same value,
     same gradient, and its metrics (``clip_ratio_*``, ``ratio_mean`` = token-weighted mean of s_i, ``ppo_kl``
     unchanged since Σ_t of the pseudo log-ratio equals Σ_t of the token log-ratios).
+
+    Where verl's ``compute_policy_loss_gspo`` differs: it clamps log s_{i,t} from above only, at 10 (here log s_i
+    is clamped to ±``max_log_ratio`` = ±20); it has no dual clip (here ``dual_clip`` applies to s_{i,t} with
+    A < 0, and the config's ``clip_ratio_c`` default of 3 turns it on); and it always aggregates with
+    ``seq-mean-token-mean``, whereas here that is only the default (``policy_optimization.loss_agg_mode``
+    overrides it).
     """
     if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2:
         raise ValueError(
