@@ -1,0 +1,56 @@
+"""Shared fixtures: one tiny model per test session (per xdist worker) and a short-run helper."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SEEDS = REPO / "configs" / "seeds"  # the six seed configs, as shipped in the repository
+
+# A small run of the real training loop: 20 train tasks, 2 tasks × 4 rollouts per step, short turns.
+SMALL_RUN = """
+environment: {num_train_tasks: 20, num_eval_tasks: 4}
+engine: {max_tokens: 12, temperature: 1.0}
+agent_loop: {max_assistant_turns: 2, max_user_turns: 2}
+learner: {batch_size: 8, mini_batch_size: 8, gradient_accumulation_steps: 1, update_frequency: 1}
+policy_optimization:
+  advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}
+  optimizer: {lr: 1e-3, warmup_steps: 0}
+trainer: {total_steps: 3, eval_every: 0, save_every: 3, seed: 3, trigger_parameter_sync_step: 1}
+metrics: {tensorboard: false}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 1-layer, 32-wide tiny model (the real build path: tokenizer, template, HF folder)."""
+    from tether.env.customer_service import example_texts
+    from tether.learner.model import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny") / "model", corpus=example_texts(100), num_hidden_layers=1,
+                      hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+
+def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / name).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def small_run(tiny_model, tmp_path):
+    """``small_run(name, *overrides, files=())`` trains SMALL_RUN (+ files, + overrides) on the tiny model and
+    returns ``(metrics rows, samples rows, run_dir)``."""
+    from tether.config import load_config
+    from tether.pipeline.trainer import train
+
+    base = tmp_path / "small_run.yaml"
+    base.write_text(SMALL_RUN)
+
+    def run(name: str, *overrides: str, files: tuple = ()):
+        cfg = load_config([base, *files], [f"model.path={tiny_model}", *overrides])
+        train(cfg, tmp_path / name, show_progress=False)
+        return read_rows(tmp_path / name), read_rows(tmp_path / name, "samples.jsonl"), tmp_path / name
+
+    return run
