@@ -150,7 +150,7 @@ def dual_clip_batch():
 
 
 @pytest.mark.parametrize("c, token_loss, token_grad, active", [
-    # ℓ = max(−A·r, −A·clip(r, 0.8, 1.28)) = [4, 2, 1.1, −1.28]; ∂ℓ/∂log π = −A·r on the unclipped branch, 0 when clipped
+    # ℓ = max(−A·r, −A·clip(r, 0.8, 1.28)) = [4, 2, 1.1, −1.28]; ∂ℓ/∂log π = −A·r unclipped, 0 when clipped
     (None, [4.0, 2.0, 1.1, -1.28], [4.0, 2.0, 1.1, 0.0], 0.0),
     # dual clip, A < 0: ℓ = min(ℓ, c·|A|) = [3, 2, 1.1]; the token at r = 4 > 3 loses its gradient
     (3.0, [3.0, 2.0, 1.1, -1.28], [0.0, 2.0, 1.1, 0.0], 1 / 4),

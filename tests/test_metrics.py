@@ -1,10 +1,14 @@
 import json
 import math
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from tether.metrics import JsonlSink, MetricsRecorder, record_metric, set_recorder, timer
+from tether.config import ConfigError, RunConfig
+from tether.metrics import (JsonlSink, MetricsRecorder, TensorBoardSink, make_sinks, record_metric, set_recorder,
+                            timer)
 
 
 def test_reductions_and_jsonl(tmp_path):
@@ -52,3 +56,93 @@ def test_threads_and_timer():
         set_recorder(prev)
     assert row["n"] == 4000.0
     assert 0.0 <= row["perf/step_time"] < 1.0
+
+
+# ----------------------------------------------------------------------------------------------------- sinks
+
+
+def read_wandb_records(path: Path) -> list:
+    """The protobuf records of a W&B ``.wandb`` file: a 7-byte header (":W&B", magic, version), then
+    LevelDB-log framing — 32 KiB blocks of [crc32 (4), length (2, LE), type (1: full, 2: first, 3: middle,
+    4: last)] fragments, a block's tail of fewer than 7 bytes left as padding."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, chunk, records = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # padding at the end of a block
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zero fill: nothing more was written
+            break
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_make_sinks_follows_the_metrics_section(tmp_path):
+    cfg = RunConfig()
+    cfg.metrics.tensorboard = False
+    sinks = make_sinks(cfg, tmp_path / "a")
+    assert [type(s) for s in sinks] == [JsonlSink]
+    sinks[0].write(3, {"reward/mean": 1.0})
+    [s.close() for s in sinks]
+    assert json.loads((tmp_path / "a" / "metrics.jsonl").read_text()) == {"step": 3, "reward/mean": 1.0}
+    cfg.metrics.tensorboard = True
+    sinks = make_sinks(cfg, tmp_path / "b")
+    assert [type(s) for s in sinks] == [JsonlSink, TensorBoardSink]
+    [s.close() for s in sinks]
+    assert list((tmp_path / "b" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_on_without_the_package_fails_naming_key_and_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb → ImportError
+    cfg = RunConfig()
+    cfg.metrics.wandb = True
+    with pytest.raises(ConfigError, match=r"`metrics\.wandb`.*tether\[wandb\]"):
+        make_sinks(cfg, tmp_path)
+
+
+def test_wandb_offline_run_holds_the_metrics_and_no_secret(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / "home" / sub))  # nothing written outside tmp_path
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", "wandbkey-do-not-log-1234567890abcdef12345678")
+    monkeypatch.setattr(sys, "argv", ["tether", "train", "--set", "llm_client.api_key=sk-do-not-log-42"])
+    cfg = RunConfig()
+    cfg.metrics.tensorboard = False
+    cfg.metrics.wandb = True
+    run = tmp_path / "run"
+    rec = MetricsRecorder(make_sinks(cfg, run))
+    prev = set_recorder(rec)
+    try:
+        record_metric("reward/mean", 0.25)
+        record_metric("optim/loss", float("nan"))
+        rec.flush(step=0)
+        record_metric("reward/mean", 0.75)
+        rec.flush(step=1)
+    finally:
+        set_recorder(prev)
+        rec.close()
+    (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    records = read_wandb_records(wandb_file)
+    history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(step, row["reward/mean"]) for step, row in history] == [(0, 0.25), (1, 0.75)]
+    assert math.isnan(history[0][1]["optim/loss"])
+    config = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+              for r in records if r.WhichOneof("record_type") == "run" for i in r.run.config.update}
+    assert config["metrics"]["wandb"] is True  # the resolved (redacted) config travels with the run
+    for f in run.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert b"wandbkey-do-not-log" not in data and b"sk-do-not-log" not in data, f

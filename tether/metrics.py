@@ -1,9 +1,21 @@
 """Metrics are one call from anywhere: ``record_metric("reward/mean", value, reduce="mean")``.
 
-Values recorded during a trainer step are reduced when the step is flushed and written to every sink
-(``metrics.jsonl``, TensorBoard, W&B when installed and asked for). With no active recorder the call is
-a no-op, so library code can record unconditionally. Non-finite values are kept (as ``NaN``/``inf`` in
-JSON) rather than dropped: a run that goes non-finite must show it.
+Values recorded during a trainer step are reduced when the step is flushed and written to every sink.
+``make_sinks(cfg, run_dir)`` builds them from the ``metrics`` section: ``RUN/metrics.jsonl`` always,
+TensorBoard events under ``RUN/tensorboard`` (``metrics.tensorboard``), and a Weights & Biases run
+(``metrics.wandb``, project ``metrics.wandb_project`` or "tether") whose local files go under ``RUN/wandb``.
+With no active recorder ``record_metric`` is a no-op, so library code can record unconditionally.
+Non-finite values are kept (as ``NaN``/``inf`` in JSON) rather than dropped: a run that goes non-finite must
+show it.
+
+W&B. The package is the optional extra ``tether[wandb]``; ``metrics.wandb: true`` without it fails at start,
+naming the key and the extra. W&B's own environment variables choose where the run goes:
+``WANDB_MODE=offline`` writes everything under ``RUN/wandb/offline-run-*`` with no network (``wandb sync``
+uploads it later), ``WANDB_MODE=disabled`` turns it off, and online runs read the key from ``WANDB_API_KEY`` /
+``wandb login`` — tether never reads, passes or logs it. The run's config is ``RunConfig.redacted_dict()``
+(secrets as ``***`` or ``${VAR}``), and W&B's run metadata is off (``x_disable_meta``: no command line, which
+may carry ``--set …api_key=…``, no git state, host or program path), as are console capture and code saving.
+System metrics (CPU/GPU use) stay on.
 """
 
 from __future__ import annotations
@@ -15,7 +27,12 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol
+
+from tether.config.base import ConfigError
+
+if TYPE_CHECKING:
+    from tether.config import RunConfig
 
 Reduce = Literal["mean", "sum", "max", "min", "last"]
 
@@ -58,19 +75,44 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str | None, config: dict[str, Any] | None = None):
+    """One W&B run; ``write`` logs a flushed step at ``step`` (W&B drops a step lower than one already logged)."""
+
+    def __init__(self, project: str | None, config: dict[str, Any] | None = None, *,
+                 run_dir: str | Path | None = None, name: str | None = None):
         try:
             import wandb
         except ImportError:
-            raise RuntimeError("metrics.wandb is true but the `wandb` package is not installed; "
-                               "`pip install wandb` or set metrics.wandb: false") from None
-        self._run = wandb.init(project=project, config=config)
+            raise ConfigError("`metrics.wandb` is true but the `wandb` package is not installed: install the extra "
+                              "(pip install 'tether[wandb]') or set metrics.wandb: false") from None
+        if run_dir is not None:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(console="off", x_disable_meta=True, disable_git=True, disable_code=True,
+                                  save_code=False)
+        self._run = wandb.init(project=project, config=config, dir=None if run_dir is None else str(run_dir),
+                               name=name, settings=settings, reinit="create_new")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+def make_sinks(cfg: RunConfig, run_dir: str | Path) -> list[Sink]:
+    """The sinks the config's ``metrics`` section asks for, writing under ``run_dir`` (module docstring)."""
+    run_dir = Path(run_dir)
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    try:
+        if cfg.metrics.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if cfg.metrics.wandb:
+            sinks.append(WandbSink(cfg.metrics.wandb_project or "tether", cfg.redacted_dict(), run_dir=run_dir,
+                                   name=run_dir.resolve().name))
+    except BaseException:
+        for sink in sinks:  # a failed start leaves no open file behind
+            sink.close()
+        raise
+    return sinks
 
 
 class MetricsRecorder:
