@@ -52,13 +52,31 @@ def load_or_exit(files: list[Path], overrides: list[str] | None) -> RunConfig:
 
 
 @app.command()
-def config(files: Files, set_: Overrides = None) -> None:
-    """Validate and merge config FILES, then print the resolved config as YAML (secrets redacted)."""
+def config(
+    files: Annotated[list[Path] | None, typer.Argument(help="YAML config files, merged in order (later wins).")] = None,
+    set_: Overrides = None,
+    explain: Annotated[str | None, typer.Option(
+        "--explain", metavar="KEY", help="Describe KEY (e.g. policy_optimization.kl_control.horizon): what it does, "
+                                         "unit, allowed values, default, its value in FILES, the seed config naming it.")] = None,
+) -> None:
+    """Validate and merge config FILES, then print the resolved config as YAML (secrets redacted), with a
+    `# warning:` line for each value that cannot act within the run. --explain KEY describes one key instead."""
+    if explain is not None:
+        from tether.config.explain import explain as explain_key
+
+        try:
+            typer.echo(explain_key(explain, files or (), set_ or ()))
+        except ConfigError as e:
+            raise fail(str(e)) from None
+        return
+    if not files:
+        raise fail("give the config FILES to resolve (or --explain KEY)")
     cfg = load_or_exit(files, set_)
     keys = [s.partition("=")[0] for s in set_ or ()]  # values could be secrets: never echo them
     header = f"# resolved from: {', '.join(map(str, files))}" + "".join(f" --set {k}" for k in keys)
     derived = ", ".join(f"{k}={v}" for k, v in cfg.derived().items())
-    text = f"{header}\n# derived: {derived}\n{cfg.to_yaml()}"
+    warnings = "".join(f"# warning: {w}\n" for w in cfg.warnings())
+    text = f"{header}\n# derived: {derived}\n{warnings}{cfg.to_yaml()}"
     console = Console(soft_wrap=True)
     if console.is_terminal:
         console.print(Syntax(text, "yaml", background_color="default", word_wrap=False))

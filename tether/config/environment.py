@@ -25,11 +25,11 @@ class LatencySpec(Section):
     """Simulated tool latency: lognormal around ``median``, capped at ``max``."""
 
     median: NonNegFloat
-    """Median latency, ms."""
+    """Median latency, in ms."""
     sigma: NonNegFloat = 0.0
     """Lognormal spread (sigma of log-latency); 0 = always the median."""
     max: NonNegFloat | None = None
-    """Cap on one call's latency, ms; None = no cap."""
+    """Cap on one call's latency, in ms; None = no cap."""
 
     @model_validator(mode="after")
     def _max_above_median(self) -> LatencySpec:
@@ -42,9 +42,9 @@ class ToolSpec(Section):
     """One tool of the action space; must match the real deployment."""
 
     name: str
-    """Tool name the model calls."""
+    """Tool name the model calls; it must be a tool the environment implements."""
     params: list[str] = []
-    """Parameter names the tool takes."""
+    """Parameter names the tool takes, in order."""
     timeout_ms: PosInt
     """A call still running after this many ms fails with a timeout observation."""
     latency_ms: LatencySpec | None = None
@@ -64,20 +64,23 @@ class MemoryConfig(Section):
     """How the conversation history is kept within the context window."""
 
     type: Literal["keep_recent_k"] = "keep_recent_k"
-    """Memory policy: keep the most recent ``k`` turns verbatim."""
+    """Memory policy: keep the most recent ``k`` tool-call records verbatim. keep_recent_k is the only value
+    today."""
     k: PosInt = 5
-    """Number of recent turns kept verbatim."""
+    """Recent tool-call records kept verbatim, in records."""
     summary_enabled: bool = True
-    """Replace older turns by a summary instead of dropping them."""
+    """Replace older records by a summary instead of dropping them."""
 
 
 class StateConfig(Section):
     """Episode state: trajectory history + tool results + memory summary."""
 
     max_turns: PosInt = 20
-    """Maximum turns of one episode."""
+    """Maximum environment steps (tool calls, ``respond_to_user`` included) of one episode; then
+    termination.max_turns_exceeded applies. Unreachable above agent_loop.max_assistant_turns ×
+    max_parallel_calls (a warning at start)."""
     context_window: PosInt = 32768
-    """Maximum tokens of prompt + response."""
+    """Maximum length of prompt + response, in tokens; the episode ends (truncated) when it is reached."""
     memory: MemoryConfig = MemoryConfig()
     """History handling."""
     observation_fields: list[ObservationField] = [
@@ -93,29 +96,30 @@ class TerminationConfig(Section):
     """When an episode ends."""
 
     success_criteria: Literal["user_issue_resolved"] = "user_issue_resolved"
-    """What counts as success."""
+    """What counts as success. user_issue_resolved (the simulated user declares the issue resolved) is the only
+    value today."""
     max_turns_exceeded: Literal["truncate", "fail"] = "truncate"
     """At ``max_turns``: truncate (score what was done) or fail (reward 0)."""
     tool_error_threshold: PosInt = 3
-    """End the episode after this many tool errors."""
+    """End the episode after this many tool-error observations, in errors."""
 
 
 class RuleCheck(Section):
     """A rule-based reward component."""
 
     check: Literal["refund_amount_correct", "policy_compliance"]
-    """Which rule."""
+    """Which rule (``tether.env.customer_service.grading``)."""
     weight: Weight
-    """Weight of this component in the reward."""
+    """Weight of this component in the reward, in [0, 10]."""
 
 
 class RubricCheck(Section):
     """A rubric-scored reward component."""
 
     rubric: Literal["response_quality", "efficiency"]
-    """Which rubric."""
+    """Which rubric (scored by the deterministic judge)."""
     weight: Weight
-    """Weight of this component in the reward."""
+    """Weight of this component in the reward, in [0, 10]."""
 
 
 class AntiHackingConfig(Section):
@@ -126,18 +130,18 @@ class AntiHackingConfig(Section):
     detect_patterns: list[HackPattern] = ["repeated_tool_calls", "context_stuffing"]
     """Patterns to detect."""
     penalty: dict[HackPattern, NonNegFloat] = {"repeated_tool_calls": 0.1, "context_stuffing": 0.1}
-    """Reward subtracted per detected pattern."""
+    """Reward subtracted per detected pattern, in reward units."""
     repeat_window: PosInt = 4
-    """Turns looked back when detecting repeated identical tool calls."""
+    """Previous tool calls looked back when detecting repeated identical calls, in calls."""
     judge: Literal["deterministic"] = "deterministic"
-    """Who scores rubrics: a deterministic scorer (no judge model is called)."""
+    """Who scores rubrics. deterministic (plain functions, no judge model is called) is the only value today."""
 
 
 class VerifierConfig(Section):
     """The reward function: weighted rule checks and rubrics."""
 
     type: Literal["hybrid", "rule", "model"] = "hybrid"
-    """Which components count: rules, rubrics or both."""
+    """Which components count: rules and rubrics (hybrid), rules only (rule) or rubrics only (model)."""
     rule_based: list[RuleCheck] = [
         RuleCheck(check="refund_amount_correct", weight=0.4),
         RuleCheck(check="policy_compliance", weight=0.3),
@@ -156,9 +160,9 @@ class EnvironmentConfig(Section):
     """The environment the agent acts in (defaults: the seed's customer-service agent)."""
 
     name: str = "customer_service_agent"
-    """Registered environment name."""
+    """Registered environment name (``tether.runtime.ENVIRONMENTS``)."""
     type: Literal["gym_like"] = "gym_like"
-    """Interface: reset/step."""
+    """Interface. gym_like (``reset``/``step``) is the only value today."""
     action_space: list[ToolSpec] = Field(default_factory=_default_tools)
     """The tools the agent may call."""
     state: StateConfig = StateConfig()
@@ -170,8 +174,8 @@ class EnvironmentConfig(Section):
     seed: int = 0
     """Seed of task generation and simulated users."""
     num_train_tasks: PosInt = 256
-    """Number of generated training tasks."""
+    """Generated training tasks, in tasks."""
     num_eval_tasks: PosInt = 64
-    """Number of generated held-out tasks."""
+    """Generated held-out tasks, in tasks."""
 
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tether.config import ConfigError, CrossFieldError, RunConfig
+from tether.config.support import refusals
 
 Key = tuple[Any, ...]  # a key path, e.g. ("rollout", "scheduler", "max_staleness")
 Origins = dict[Key, str]  # key path of each leaf -> the file (or "--set") that set it
@@ -29,7 +30,22 @@ SET = "--set"
 def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Merge the YAML ``paths`` in order, apply ``--set key.path=value`` ``overrides``, validate.
 
-    Raises ConfigError naming the key path, the file that set it, the value and what is allowed."""
+    Raises ConfigError naming the key path, the file that set it, the value and what is allowed; a key
+    whose feature is not built yet (``tether.config.support.UNSUPPORTED``) is refused the same way."""
+    data, origins = merged(paths, overrides)
+    lines = refusals(data, origins)  # keys whose feature is not built (tether.config.support)
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines += [describe_error(err, origins) for err in e.errors()]
+    if lines:
+        head = f"{len(lines)} errors in config:\n  - " if len(lines) > 1 else ""
+        raise ConfigError(head + "\n  - ".join(lines)) from None
+    return cfg
+
+
+def merged(paths: Sequence[str | Path] | str | Path, overrides: Sequence[str] = ()) -> tuple[dict[Any, Any], Origins]:
+    """The files and ``--set`` overrides deep-merged, not validated, and who set each leaf."""
     if isinstance(paths, str | Path):
         paths = [paths]
     data: dict[Any, Any] = {}
@@ -41,12 +57,7 @@ def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[st
         for part in reversed(key):
             value = {part: value}
         merge(data, value, SET, origins)
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        lines = [describe_error(err, origins) for err in e.errors()]
-        head = f"{len(lines)} errors in config:\n  - " if len(lines) > 1 else ""
-        raise ConfigError(head + "\n  - ".join(lines)) from None
+    return data, origins
 
 
 def read_yaml(path: str | Path) -> dict[Any, Any]:

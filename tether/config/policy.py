@@ -15,18 +15,21 @@ class DiversityBonusConfig(Section):
     """A reward bonus for diverse responses within a group."""
 
     enabled: bool = True
-    """Add the diversity bonus."""
+    """Add the diversity bonus to the rewards of successful trajectories."""
     coef: NonNegFloat = 0.05
-    """Bonus coefficient."""
+    """Bonus coefficient, in reward units: a group that solved its task in k distinct ways earns k × coef
+    between its successful trajectories."""
     metric: Literal["semantic_cluster_count"] = "semantic_cluster_count"
-    """How diversity is measured."""
+    """How diversity is measured. semantic_cluster_count is the only value today: distinct strategies (tool
+    calls with canonical arguments plus the final answer's facts; exact-match clusters, ``tether.algo.diversity``)."""
 
 
 class ExplorationConfig(Section):
     """Keeping exploration from collapsing."""
 
     entropy_coef: NonNegFloat = 0.01
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (per-token entropy in nats, weighted into the loss); the algorithm's default
+    when unset."""
     clip_higher: PosFloat = 0.28
     """Upper clip epsilon ε_high of the policy ratio (DAPO clip-higher); the algorithm's default when unset
     (GSPO 4e-4, CISPO 4.0)."""
@@ -38,22 +41,24 @@ class DegenerateGroupFilterConfig(Section):
     """Groups whose rewards barely differ carry no signal: drop or resample them."""
 
     enabled: bool = True
-    """Filter degenerate groups."""
+    """Resample, then drop, degenerate groups; the algorithm's default when unset."""
     min_reward_std: NonNegFloat = 0.1
-    """A group with reward std below this is degenerate."""
+    """A group whose reward std is at most this is degenerate, in reward units."""
     resample_attempts: NonNegInt = 2
-    """Times a degenerate group's task is resampled before it is dropped."""
+    """Times a degenerate group's task is generated again (fresh seeds) before the group is dropped."""
 
 
 class AdvantageConfig(Section):
     """Advantage estimation."""
 
     estimator: Literal["group_relative"] = "group_relative"
-    """Advantage = reward relative to the task's group."""
+    """Advantage estimator. group_relative (reward minus its group's mean, GRPO) is the only value today."""
     group_size: Annotated[int, Field(ge=2)] = 8
-    """Trajectories per task (a group)."""
+    """Trajectories per task (a group), before any reallocation; the same number as
+    rollout_allocation.base_rollouts_per_prompt (set either)."""
     normalization: Literal["group", "batch", "none"] = "batch"
-    """Divide advantages by the std of the group, of the batch, or not at all."""
+    """Divide advantages by the reward std of the group, of the batch, or not at all; the algorithm's
+    default when unset."""
     degenerate_group_filter: DegenerateGroupFilterConfig = DegenerateGroupFilterConfig()
     """Degenerate-group filter."""
 
@@ -62,32 +67,36 @@ class RolloutAllocationConfig(Section):
     """How many rollouts each prompt gets."""
 
     strategy: Literal["fixed", "adaptive"] = "adaptive"
-    """Same count for every prompt, or more for prompts with more signal."""
+    """Same count for every prompt (fixed), or more for prompts with more signal (adaptive; the step's total
+    stays group_size × prompts)."""
     base_rollouts_per_prompt: PosInt = 8
     """Rollouts per prompt before reallocation; the same number as advantage.group_size (set either)."""
     max_rollouts_per_prompt: PosInt = 32
-    """Upper bound of rollouts per prompt; >= base_rollouts_per_prompt."""
+    """Upper bound of rollouts per prompt, in rollouts; >= base_rollouts_per_prompt."""
     allocation_metric: Literal["gradient_variance_proxy"] = "gradient_variance_proxy"
-    """Signal used to reallocate."""
+    """Signal used to reallocate. gradient_variance_proxy is the only value today: rollouts ∝ √(variance of the
+    task's recent rewards) (``tether.algo.allocation``)."""
     reallocation_interval: PosInt = 100
-    """Trainer steps between reallocations."""
+    """Trainer steps between reallocations, in steps; the first happens at this step, so a value >=
+    trainer.total_steps never reallocates (a warning at start)."""
 
 
 class KLControlConfig(Section):
     """KL penalty to the reference policy."""
 
     type: Literal["relative_entropy", "none"] = "relative_entropy"
-    """KL penalty on, or off."""
+    """KL(π_θ ‖ π_ref) penalty in the loss (relative_entropy), or none (no penalty, no max-KL guard); none
+    when unset and the algorithm uses no KL."""
     target_kl: PosFloat = 0.01
-    """KL the adaptive coefficient steers towards."""
+    """KL the adaptive coefficient steers towards, in nats per token."""
     adaptive: bool = True
-    """Adapt the coefficient towards target_kl."""
+    """Adapt the coefficient towards target_kl (Ziegler et al. 2019); false = init_coef throughout."""
     max_kl: PosFloat = 0.05
-    """KL above which the step is flagged; >= target_kl."""
+    """Per-token KL, in nats, above which a step's remaining optimizer updates are skipped; >= target_kl."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman's k1/k2/k3)."""
     init_coef: NonNegFloat = 0.001
-    """Initial KL coefficient."""
+    """Initial KL coefficient β (unitless); the algorithm's default when unset."""
     horizon: PosInt = 10_000
     """Adaptive controller horizon, in trajectories: β moves by at most 20 % × batch_size / horizon per step."""
 
@@ -102,15 +111,15 @@ class OptimizerConfig(Section):
     """The optimizer."""
 
     type: Literal["adamw"] = "adamw"
-    """Optimizer."""
+    """Optimizer. adamw (torch.optim.AdamW) is the only value today."""
     lr: PosFloat = 1e-6
-    """Learning rate."""
+    """Peak learning rate (per optimizer update)."""
     weight_decay: NonNegFloat = 0.01
-    """Decoupled weight decay."""
+    """Decoupled weight decay (AdamW), per update, as a fraction of lr × weight."""
     warmup_steps: NonNegInt = 50
-    """Linear warm-up steps."""
+    """Linear learning-rate warm-up, in optimizer updates (not trainer steps); 0 = constant lr."""
     max_grad_norm: PosFloat = 1.0
-    """Gradient-norm clip."""
+    """Gradients are clipped to this global L2 norm before each update."""
 
 
 class PolicyOptimConfig(Section):

@@ -17,6 +17,8 @@ from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
 from tether.config.policy import *  # noqa: F401,F403
 from tether.config.sections import *  # noqa: F401,F403
+from tether.config.sections import PIPELINES
+from tether.config.support import REFUSED_SECTIONS
 
 # ----------------------------------------------------------------------------- the run
 
@@ -31,7 +33,7 @@ class RunConfig(Section):
     tool_parser: ToolParserConfig = ToolParserConfig()
     """Tool-call parsing."""
     llm_client: LLMClientConfig = LLMClientConfig()
-    """OpenAI-compatible endpoint."""
+    """OpenAI-compatible endpoint (not built yet: refused at load)."""
     model: ModelConfig = ModelConfig()
     """The policy model."""
     engine: EngineConfig = EngineConfig()
@@ -51,16 +53,18 @@ class RunConfig(Section):
     message_queue: MessageQueueConfig = MessageQueueConfig()
     """Rollouter → trainer queue."""
     resource_pool: ResourcePoolConfig = ResourcePoolConfig()
-    """Resource pools (ray)."""
+    """Resource pools (Ray backend; not built yet: refused at load)."""
     actor_worker: ActorWorkerConfig = ActorWorkerConfig()
-    """Actor worker."""
+    """Actor worker (Ray backend; not built yet: refused at load)."""
     backend: Literal["local", "ray"] = "local"
-    """One process (asyncio + threads), or Ray actors."""
+    """local: one process (asyncio + threads). ray (the components as Ray actors) is not built yet and is
+    refused at load."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
+        self._pipeline_classes()
         rq, mq = self.rollouter, self.message_queue
         rq_set, mq_set = "max_queue_size" in rq.model_fields_set, "max_queue_size" in mq.model_fields_set
         if rq_set and mq_set:
@@ -85,6 +89,25 @@ class RunConfig(Section):
         self._algorithm_defaults()
         _name_secrets(self, "")
         return self
+
+    def _pipeline_classes(self) -> None:
+        """``trainer.class`` / ``rollouter.class`` name the pipeline, ``rollout.mode`` names it too: the classes
+        given (either or both) must name one pipeline; with ``rollout.mode`` unset they set it, set it must
+        agree; unset classes follow the mode (``PIPELINES``), so the dump shows a coherent triple."""
+        ro, tr, rr = self.rollout, self.trainer, self.rollouter
+        mode_of = {cls: mode for mode, pair in PIPELINES.items() for cls in pair}
+        given = {k: c for k, c in (("trainer.class", tr.class_), ("rollouter.class", rr.class_)) if c is not None}
+        modes = {mode_of[c] for c in given.values()}
+        pairs = "; ".join(f"{t} + {r} run {m}" for m, (t, r) in PIPELINES.items())
+        _check(len(modes) <= 1, f"trainer.class and rollouter.class name one pipeline ({pairs})", **given)
+        if modes:
+            (mode,) = modes
+            if "mode" in ro.model_fields_set:
+                _check(ro.mode == mode, f"{' and '.join(dict.fromkeys(given.values()))} run rollout.mode {mode}: "
+                                        f"set the mode to {mode}, or unset the class keys to follow the mode",
+                       **{"rollout.mode": ro.mode, **given})
+            ro.mode = mode
+        tr.class_, rr.class_ = PIPELINES[ro.mode]
 
     def _one_group_size(self) -> None:
         """``rollout_allocation.base_rollouts_per_prompt`` and ``advantage.group_size`` are the rollouts a task gets
@@ -180,9 +203,18 @@ class RunConfig(Section):
             "eval_tasks": self.trainer.eval_tasks or self.environment.num_eval_tasks,
         }
 
+    def warnings(self) -> list[str]:
+        """Values that are valid but cannot act within this run (e.g. an interval longer than the run), one
+        sentence each, naming the key; printed at ``tether train`` start and by ``tether config``."""
+        from tether.config.inert import inert_values  # noqa: PLC0415 — that module reads RunConfig's fields
+
+        return inert_values(self)
+
     def redacted_dict(self) -> dict[str, Any]:
-        """Plain data (YAML/JSON-ready, keys as in the files); secrets as ``***`` or ``${VAR}``."""
-        return _redact_by_name(self.model_dump(mode="json", by_alias=True))
+        """Plain data (YAML/JSON-ready, keys as in the files); secrets as ``***`` or ``${VAR}``. The sections
+        whose feature is not built (``support.REFUSED_SECTIONS``) are left out, so that the dump loads back."""
+        data = self.model_dump(mode="json", by_alias=True, exclude=set(REFUSED_SECTIONS))
+        return _redact_by_name(data)
 
     def to_yaml(self) -> str:
         """The resolved config as YAML that loads back to an equal config (secrets redacted)."""

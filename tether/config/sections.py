@@ -23,34 +23,40 @@ class AgentLoopConfig(Section):
     """The multi-turn agent loop (GENERATING ⇄ PROCESSING_TOOLS)."""
 
     name: str = "tool_agent"
-    """Registered agent loop, as in ``@register("tool_agent")``."""
+    """Registered agent loop, as in ``@register("tool_agent")`` (``tether.agent.loop``); ``tool_agent`` is the
+    one registered today."""
     max_user_turns: PosInt = 3
-    """Maximum (simulated) user turns per episode."""
+    """Maximum user turns per episode, in replies of the (simulated) user; the episode ends (truncated) when
+    the user has replied this many times."""
     max_assistant_turns: PosInt = 5
-    """Maximum assistant turns per episode."""
+    """Maximum assistant turns (model generations) per episode; the episode ends (truncated) after the last."""
     max_parallel_calls: PosInt = 2
-    """Maximum tool calls executed concurrently within one assistant turn."""
+    """Maximum tool calls run (concurrently) per assistant turn; further calls of that turn are not run and
+    get an error observation."""
     tool_selection: Literal["per_sample", "all"] = "per_sample"
-    """Offer each sample its task's tools (per_sample) or every tool (all)."""
+    """Offer each sample its task's tools (per_sample) or every tool of the action space (all)."""
 
 
 class ToolParserConfig(Section):
     """How tool calls are parsed out of the model's text."""
 
     name: Literal["hermes", "function_call_parser"] = "hermes"
-    """Registered tool-call parser."""
+    """Registered tool-call parser (``tether.agent.parsers``): hermes ``<tool_call>{json}</tool_call>`` blocks,
+    or function_call_parser (the same blocks, else an OpenAI-style ``{"name", "arguments"}`` JSON object)."""
     stop_token_ids: list[NonNegInt] = []
-    """Extra token ids that end a generation (e.g. the end-of-tool-call token)."""
+    """Extra token ids (vocabulary ids of the policy's tokenizer) that end a generation, e.g. the
+    end-of-tool-call token."""
 
 
 class LLMClientConfig(Section):
-    """An OpenAI-compatible endpoint (rollouts on a server, teachers, ``tether ping``).
+    """An OpenAI-compatible endpoint (rollouts on a server, teachers, ``tether ping``). **Not built yet**: a
+    config that sets any key of this section is refused at load (``tether.config.support``).
 
     ``base_url`` and ``model`` may contain ``${VAR}``; like the key they are resolved at use time by
     ``resolved()``."""
 
     base_url: str = "https://api.example.com/v1"
-    """Endpoint URL, http:// or https://."""
+    """Endpoint URL, http:// or https:// (or a ``${VAR}`` reference)."""
     api_key: Secret | None = None
     """API key, best given as ``${VAR}``; None = no Authorization header."""
     model: str = "your-rollout-model-id"
@@ -58,7 +64,7 @@ class LLMClientConfig(Section):
     timeout_s: PosFloat = 60.0
     """Timeout of one request, seconds."""
     max_retries: NonNegInt = 3
-    """Retries of a request that failed in a retryable way (429, 5xx, refused connection)."""
+    """Retries of a request that failed in a retryable way (429, 5xx, refused connection), in requests."""
 
     @field_validator("base_url")
     @classmethod
@@ -117,15 +123,16 @@ class EngineConfig(Section):
     """Where and how the rollout policy samples."""
 
     type: Literal["local", "remote"] = "local"
-    """In-process torch engine, or an OpenAI-compatible server (``llm_client``)."""
+    """local: the in-process torch engine (continuous batching). remote (an OpenAI-compatible server through
+    ``llm_client``) is not built yet and is refused at load."""
     max_batch_size: PosInt = 64
-    """Maximum sequences decoded together."""
+    """Maximum sequences decoded together, in sequences (the engine's continuous batch)."""
     temperature: NonNegFloat = 1.0
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature (unitless); 0 = greedy. Evaluation always samples greedily."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    """Nucleus sampling mass, in (0, 1]."""
+    """Nucleus sampling: the probability mass kept, in (0, 1]; 1 = no truncation."""
     max_tokens: PosInt = 64
-    """Maximum new tokens per assistant turn."""
+    """Maximum new tokens per assistant turn, in tokens; a turn cut here is closed with the end-of-turn token."""
 
 
 # ----------------------------------------------------------------------------- rollout and buffer
@@ -135,11 +142,13 @@ class SchedulerConfig(Section):
     """Admission of rollouts under bounded staleness."""
 
     type: Literal["fifo", "windowed_fifo"] = "windowed_fifo"
-    """Scheduling policy."""
+    """Order in which the trainer takes finished groups from the queue: finish order (fifo), or finish order
+    within a window of start positions (windowed_fifo: bounded reordering, ``tether.pipeline.scheduler``)."""
     window_size: PosInt = 64
-    """Tasks in flight in the window."""
+    """The windowed_fifo window, in groups (start positions after the oldest unconsumed group)."""
     max_staleness: NonNegInt = 4
-    """Maximum policy versions a rollout may lag behind the trainer when admitted."""
+    """Admission control: how many parameter versions the rollouter may run ahead of the trainer, in versions
+    (async modes; one_step_off_policy uses min(1, this)); 0 = the sync schedule."""
 
 
 class PartialRolloutConfig(Section):
@@ -149,10 +158,10 @@ class PartialRolloutConfig(Section):
     """A weight sync interrupts in-flight generations, which resume under the new weights; false = the sync
     waits for them to finish under the old ones."""
     segment_length: PosInt = 8
-    """Decode steps between interruption points: every generation gets at least this many tokens from a
-    version before the next weight sync is applied."""
+    """Decode steps between interruption points, in tokens: every generation gets at least this many tokens
+    from a version before the next weight sync is applied."""
     replay_buffer_size: PosInt = 512
-    """Finished groups the priority replay buffer holds (buffer.type: priority)."""
+    """Capacity of the priority replay buffer, in groups (buffer.type: priority, async modes)."""
     reuse_policy: Literal["on_policy_segment_only", "all"] = "on_policy_segment_only"
     """Which tokens of a partial rollout are trained on: only those of its last (newest) version — earlier
     segments stay as context — or all of them."""
@@ -162,13 +171,14 @@ class WorkerConfig(Section):
     """Rollout workers."""
 
     num_workers: PosInt = 32
-    """Number of rollout workers."""
+    """Environment steps (tool calls, user simulator, verifier) executed at once, in workers; the other
+    episodes wait for a free worker."""
     max_concurrent_tasks: PosInt = 128
-    """Maximum episodes running at once across workers."""
+    """Maximum episodes in flight at once, in episodes (also bounds evaluation)."""
     task_timeout_s: PosFloat = 600
-    """An episode running longer than this fails, seconds."""
+    """An episode running longer than this fails, in seconds (all its turns and tools together)."""
     retry_on_failure: NonNegInt = 2
-    """Retries of a failed episode."""
+    """Further attempts of a failed episode (with a fresh environment), in attempts."""
 
 
 class RolloutConfig(Section):
@@ -176,7 +186,8 @@ class RolloutConfig(Section):
 
     mode: Literal["sync", "one_step_off_policy", "fully_async"] = "sync"
     """sync: generate then train; one_step_off_policy: generate k+1 while training k; fully_async:
-    continuous generation (the seed's ``async`` means fully_async)."""
+    continuous generation (the seed's ``async`` means fully_async). When unset, ``trainer.class`` /
+    ``rollouter.class`` choose it (e.g. FullyAsyncTrainer → fully_async); else sync."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Admission control."""
     partial_rollout: PartialRolloutConfig = PartialRolloutConfig()
@@ -194,20 +205,20 @@ class StaleFilterConfig(Section):
     """Drop samples at consumption whose policy lag is too large."""
 
     enabled: bool = True
-    """Filter stale samples when the trainer takes them."""
+    """Drop stale groups when the trainer takes them (async modes)."""
     max_policy_lag: NonNegInt = 3
-    """Maximum policy versions between a sample's behaviour policy and the trainer."""
+    """A group whose behaviour policy lags the trainer by more than this is dropped, in parameter versions."""
 
 
 class BufferConfig(Section):
     """The sample buffer between rollouts and the learner."""
 
     type: Literal["fifo", "priority"] = "priority"
-    """Take samples in order or by priority."""
+    """Async modes: take groups from the queue in its order (fifo), or through the priority replay buffer."""
     freshness_weight: Unit = 0.7
-    """Priority weight of freshness (low policy lag)."""
+    """Priority weight of freshness (1 / (1 + policy lag)), in [0, 1]."""
     diversity_weight: Unit = 0.3
-    """Priority weight of diversity."""
+    """Priority weight of the group's reward spread (reward std / half its range), in [0, 1]."""
     stale_filter: StaleFilterConfig = StaleFilterConfig()
     """Staleness filter at consumption."""
 
@@ -223,26 +234,27 @@ class OffPolicyCorrectionConfig(Section):
     ] = "double_sided_importance_sampling"
     """Correction method."""
     clip_ratio: OpenUnit = 0.2
-    """Importance-ratio clip epsilon, in (0, 1)."""
+    """Importance-ratio clip ε (a ratio, unitless), in (0, 1); also the policy loss's ε_low unless
+    ``policy_optimization.clip_ratio_low`` is set."""
     token_level_clipping: bool = True
-    """Clip per token rather than per sequence."""
+    """Correct per token (true) or with the sequence's ratio (false)."""
     tis_enabled: bool = True
-    """Truncated importance sampling of the rollout/train logprob mismatch."""
+    """Truncated importance sampling of the rollout/train logprob mismatch (π_prox / π_behav)."""
     tis_cap: PosFloat = 2.0
-    """TIS cap C: importance weights above it are truncated to it (verl's rollout_is_threshold)."""
+    """TIS cap C (a ratio): importance weights above it are truncated to it (verl's rollout_is_threshold)."""
 
 
 class LearnerConfig(Section):
     """Batching of the policy update (trajectories, not prompts)."""
 
     batch_size: PosInt = 64
-    """Trajectories per trainer step."""
+    """Trajectories per trainer step (nominal: the degenerate-group filter may drop groups)."""
     mini_batch_size: PosInt = 8
     """Trajectories per optimizer update; divides batch_size."""
     update_frequency: PosInt = 4
     """Passes (PPO epochs) over each trainer batch per trainer step; every pass reuses the behaviour logprobs as old logprobs."""
     gradient_accumulation_steps: PosInt = 2
-    """Micro-batches accumulated per optimizer update; divides mini_batch_size."""
+    """Micro-batches accumulated per optimizer update, in micro-batches; divides mini_batch_size."""
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
     """Off-policy correction."""
 
@@ -259,60 +271,81 @@ class LearnerConfig(Section):
 # ----------------------------------------------------------------------------- components and placement
 
 
+# The (trainer.class, rollouter.class) pair of each rollout.mode: the class keys select the pipeline (the
+# fully_async names are the seed's, after verl's recipe/fully_async_policy; the others are tether's).
+PIPELINES: dict[str, tuple[str, str]] = {
+    "sync": ("Trainer", "Rollouter"),
+    "one_step_off_policy": ("OneStepOffTrainer", "OneStepOffRollouter"),
+    "fully_async": ("FullyAsyncTrainer", "FullyAsyncRollouter"),
+}
+TrainerClass = Literal["Trainer", "OneStepOffTrainer", "FullyAsyncTrainer"]
+RollouterClass = Literal["Rollouter", "OneStepOffRollouter", "FullyAsyncRollouter"]
+
+
 class TrainerConfig(Section):
     """The trainer component and the run length."""
 
-    class_: Literal["FullyAsyncTrainer", "Trainer"] = Field("FullyAsyncTrainer", alias="class")
-    """Trainer implementation."""
+    class_: TrainerClass | None = Field(None, alias="class")
+    """The pipeline, named by its trainer: Trainer (rollout.mode sync), OneStepOffTrainer (one_step_off_policy)
+    or FullyAsyncTrainer (fully_async). Unset (None): follows rollout.mode; set with rollout.mode unset, it
+    sets the mode; set with a disagreeing rollout.mode or rollouter.class it is an error."""
     ppo_mini_batch_size: PosInt = 64
-    """Samples the trainer takes from the message queue per batch."""
+    """Trajectories the trainer takes from the message queue per queue batch."""
     require_batches: PosInt = 2
     """Queue batches per trainer step: ppo_mini_batch_size × require_batches = learner.batch_size (set either side)."""
     trigger_parameter_sync_step: PosInt = 4
-    """Push weights to the rollouter every N trainer steps."""
+    """Push weights to the rollouter every N trainer steps, in steps (async modes; sync pushes every step)."""
     use_trainer_do_validate: bool = True
-    """The trainer runs validation itself (mixed validation mode)."""
+    """Which weights the held-out evaluation scores (async modes): true — the trainer validates its current
+    weights on an engine of its own (a second model copy); false — the rollouter validates the weights of the
+    last weight sync. Same weights in sync mode (``eval/weights_step`` records which)."""
     total_steps: PosInt = 100
-    """Trainer steps of the run."""
+    """Length of the run, in trainer steps."""
     eval_every: NonNegInt = 10
-    """Held-out evaluation every N steps (also at step 0 and at the end); 0 = only those."""
+    """Held-out evaluation every N trainer steps (also at step 0 and at the end); 0 = only those."""
     save_every: NonNegInt = 50
-    """Checkpoint every N steps (also at the end); 0 = only at the end."""
+    """Checkpoint every N trainer steps (also at the end); 0 = only at the end."""
     seed: int = 0
-    """Seed of sampling, shuffling and initialisation."""
+    """Seed of sampling, task shuffling and initialisation."""
     eval_tasks: PosInt | None = None
-    """Held-out tasks per evaluation; None = environment.num_eval_tasks."""
+    """Held-out tasks per evaluation, in tasks; None = environment.num_eval_tasks."""
 
 
 class RollouterConfig(Section):
     """The rollouter component."""
 
-    class_: str = Field("FullyAsyncRollouter", alias="class")
-    """Rollouter implementation."""
+    class_: RollouterClass | None = Field(None, alias="class")
+    """The pipeline, named by its rollouter: Rollouter (rollout.mode sync), OneStepOffRollouter
+    (one_step_off_policy) or FullyAsyncRollouter (fully_async); None = follows rollout.mode (see
+    trainer.class)."""
     max_queue_size: PosInt = 512
-    """Message-queue capacity; when full the oldest sample is dropped."""
+    """Message-queue capacity, in groups; when full the oldest group is dropped. One queue: the same number as
+    message_queue.max_queue_size (set either)."""
     partial_rollout: bool = True
-    """Interrupted generations resume automatically."""
+    """Interrupted generations resume under the new weights; the same switch as rollout.partial_rollout.enabled
+    (set either)."""
 
 
 class MessageQueueConfig(Section):
     """The queue between rollouter and trainer."""
 
-    class_: str = Field("MessageQueue", alias="class")
-    """Queue implementation."""
+    class_: Literal["MessageQueue"] = Field("MessageQueue", alias="class")
+    """Queue implementation: MessageQueue (``tether.pipeline.queue``) is the only value today."""
     max_queue_size: PosInt = 512
-    """Capacity; when full the oldest sample is dropped."""
+    """Capacity, in groups; when full the oldest group is dropped (the same number as
+    rollouter.max_queue_size)."""
 
 
 class PoolConfig(Section):
     """A Ray resource pool."""
 
     num_gpus: NonNegInt = 8
-    """GPUs in the pool (0 = CPU only)."""
+    """GPUs in the pool, in devices (0 = CPU only)."""
 
 
 class ResourcePoolConfig(Section):
-    """Separate resource pools for training and rollout (``backend: ray``)."""
+    """Separate resource pools for training and rollout (``backend: ray``). **Not built yet**: setting any
+    key of this section is refused at load."""
 
     trainer_pool: PoolConfig = PoolConfig()
     """Trainer resources."""
@@ -321,22 +354,23 @@ class ResourcePoolConfig(Section):
 
 
 class ActorWorkerConfig(Section):
-    """The trainer's actor worker."""
+    """The trainer's actor worker (``backend: ray``). **Not built yet**: setting any key of this section is
+    refused at load."""
 
     class_: str = Field("DetachActorWorker", alias="class")
     """Worker implementation (DetachActorWorker can offload to CPU and restore)."""
     strategy: Literal["fsdp", "fsdp2", "veOmni", "megatron"] = "fsdp2"
-    """Parallelism strategy."""
+    """Parallelism strategy of the trainer's model."""
 
 
 class MetricsConfig(Section):
     """Where metrics go (``metrics.jsonl`` is always written)."""
 
     tensorboard: bool = True
-    """Write TensorBoard events."""
+    """Write TensorBoard events to RUN_DIR/tensorboard."""
     wandb: bool = False
-    """Log to Weights & Biases."""
+    """Log to Weights & Biases (needs the ``wandb`` package)."""
     wandb_project: str | None = None
-    """W&B project; None = "tether"."""
+    """W&B project (with metrics.wandb: true); None = "tether"."""
 
 

@@ -1,0 +1,85 @@
+"""Values that are valid but cannot act within the run: ``RunConfig.warnings()``.
+
+A config error stops the run; these do not (a short smoke run with the production intervals is legitimate),
+but a user who set ``reallocation_interval: 100`` for a 16-step run should be told that adaptive allocation
+will never reallocate, rather than read "adaptive" in the dump and believe it did. Each warning names the
+key, says why it cannot act and what would make it act. Pure: a function of the resolved config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tether.config.run import RunConfig
+
+KL_MIN_MOVE = 0.10  # below this relative change of β over the whole run, the adaptive controller is inert
+KL_MAX_ERROR = 0.2  # the controller's clip of the proportional error (tether.algo.kl_control)
+
+
+def inert_values(cfg: RunConfig) -> list[str]:
+    """One sentence per value that cannot act within ``cfg``'s run, naming the key; [] when all can."""
+    tr, po = cfg.trainer, cfg.policy_optimization
+    steps = tr.total_steps
+    out: list[str] = []
+
+    ra = po.rollout_allocation
+    if ra.strategy == "adaptive" and ra.reallocation_interval >= steps:
+        out.append(f"policy_optimization.rollout_allocation.reallocation_interval = {ra.reallocation_interval} >= "
+                   f"trainer.total_steps = {steps}: adaptive allocation never reallocates in this run (every task "
+                   f"gets group_size rollouts, as with strategy: fixed); set it below {steps}")
+
+    kl = po.kl_control
+    if kl.type != "none" and kl.adaptive:
+        if kl.init_coef == 0:
+            out.append("policy_optimization.kl_control.adaptive = true with init_coef = 0: the controller scales β, "
+                       "so β stays 0; set init_coef > 0 or adaptive: false")
+        else:
+            most = max_kl_coef_change(cfg.learner.batch_size, kl.horizon, steps)
+            if most < KL_MIN_MOVE:
+                out.append(f"policy_optimization.kl_control.adaptive = true with horizon = {kl.horizon} trajectories: "
+                           f"β can change by at most {most:.1%} over {steps} steps of {cfg.learner.batch_size} "
+                           f"trajectories, so it stays ≈ init_coef; for β to follow target_kl set horizon <= "
+                           f"{horizon_for(cfg.learner.batch_size, steps)} (or adaptive: false)")
+
+    if cfg.rollout.mode != "sync" and tr.trigger_parameter_sync_step > steps:
+        out.append(f"trainer.trigger_parameter_sync_step = {tr.trigger_parameter_sync_step} > trainer.total_steps = "
+                   f"{steps}: the rollouter never receives new weights in this run ({cfg.rollout.mode}); every "
+                   f"rollout comes from the initial policy")
+    if tr.eval_every > steps:
+        out.append(f"trainer.eval_every = {tr.eval_every} > trainer.total_steps = {steps}: held-out evaluation runs "
+                   f"only at step 0 and at the end")
+    if tr.save_every > steps:
+        out.append(f"trainer.save_every = {tr.save_every} > trainer.total_steps = {steps}: the only checkpoint is "
+                   f"the one at the end")
+
+    reachable = max_env_steps(cfg)
+    if cfg.environment.state.max_turns > reachable:
+        al = cfg.agent_loop
+        out.append(f"environment.state.max_turns = {cfg.environment.state.max_turns} is never reached: the agent "
+                   f"loop ends an episode after at most agent_loop.max_assistant_turns × max_parallel_calls = "
+                   f"{al.max_assistant_turns} × {al.max_parallel_calls} = {reachable} environment steps, so "
+                   f"termination.max_turns_exceeded never applies")
+    return out
+
+
+def max_kl_coef_change(batch_size: int, horizon: int, steps: int) -> float:
+    """The largest relative change of β the adaptive controller can make over ``steps`` trainer steps:
+    each step multiplies β by at most 1 + 0.2 · batch_size / horizon (``tether.algo.kl_control``)."""
+    return (1.0 + KL_MAX_ERROR * batch_size / horizon) ** steps - 1.0
+
+
+def horizon_for(batch_size: int, steps: int, move: float = KL_MIN_MOVE) -> int:
+    """The largest horizon (trajectories) at which β can still change by ``move`` over ``steps`` steps."""
+    per_step = (1.0 + move) ** (1.0 / steps) - 1.0
+    return max(1, math.floor(KL_MAX_ERROR * batch_size / per_step))
+
+
+def max_env_steps(cfg: RunConfig) -> int:
+    """The most environment steps an episode can take under the agent loop's limits.
+
+    ``environment.state.max_turns`` counts environment steps (one per tool call, ``respond_to_user``
+    included); the agent loop runs at most ``max_parallel_calls`` calls per assistant turn and ends the
+    episode after ``max_assistant_turns`` turns (``max_user_turns`` bounds only the ``respond_to_user`` steps)."""
+    return cfg.agent_loop.max_assistant_turns * cfg.agent_loop.max_parallel_calls
