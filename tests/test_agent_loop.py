@@ -58,7 +58,7 @@ def test_expert_solves_through_the_loop_and_tokens_equal_the_template(tokenizer)
     assert traj.metrics.num_turns == 3 + 2 + 1
     # Token-in/token-out equals one rendering of the conversation (minus the final reply after "done").
     rendered = render_ids(tokenizer, traj.messages[:-1], None, add_generation_prompt=False)
-    tools = CustomerServiceEnv(EnvironmentConfig()).tool_schemas()
+    tools = [s for s in CustomerServiceEnv(EnvironmentConfig()).tool_schemas() if s["function"]["name"] in task.tools]
     rendered = render_ids(tokenizer, traj.messages[:-1], tools, add_generation_prompt=False)
     im_end_nl = tokenizer.encode("\n", add_special_tokens=False)
     assert traj.prompt_ids + traj.response_ids + im_end_nl == rendered

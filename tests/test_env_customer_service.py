@@ -277,11 +277,12 @@ def test_observation_fields_memory_and_tool_selection():
     assert [r["turn"] for r in obs["memory"]["recent"]] == [2]
     assert obs["memory"]["summary"].startswith("turn 1: query_inventory x1 (last: {")
 
+    # Task.tools is the agent loop's per-sample selection (test_agent_loop); the env runs every configured tool.
     restricted = Task("custom", "train", "inventory", dict(t.data), tools=("query_inventory", "respond_to_user"))
     env.reset(task=restricted)
-    assert [s["function"]["name"] for s in env.tool_schemas()] == ["query_inventory", "respond_to_user"]
+    assert len(env.tool_schemas()) == 4
     obs, *_ = env.step(escalate("x", "low"))
-    assert obs["tool_error"] and "unknown tool 'escalate_to_human'" in obs["last_tool_result"]
+    assert not obs["tool_error"]
 
 
 def test_anti_hacking_disabled_and_custom_penalty():

@@ -4,6 +4,20 @@ A Trajectory is token-in/token-out: the ids the model saw and produced, never a 
 finished conversation (verl found re-tokenising breaks convergence). Every response token carries a
 mask bit (1 = sampled by the policy, 0 = tool/user/template token), the behaviour logprob it was
 sampled with (0.0 where mask is 0) and the policy version that produced it (-1 where mask is 0).
+
+**Segments.** When ``environment.state.memory`` bounds what the policy sees (``keep_recent_k``), an episode
+is played in context *segments*: when the conversation holds more than ``k`` completed turns, the agent loop
+continues in a new segment whose prompt is the system prompt, the opening request, the summary of the turns
+that fell out and the last ``k`` turns (``tether.agent.loop``). Each segment is token-in/token-out on its own
+(its prompt ids, response ids, mask, behaviour logprobs and versions); a model token belongs to exactly one
+segment (the one it was generated in), and every segment shares the episode's reward and advantage.
+
+A ``Trajectory``'s own ``prompt_ids`` … ``versions`` are its **first** segment, so an episode that never reached
+the bound (one segment) reads exactly as before; later segments are in ``continuations``, and ``segments``
+lists all of them (the first one as a view over the trajectory's own lists: mutating
+``traj.segments[0].response_mask`` mutates ``traj.response_mask``). Code that trains on or counts tokens
+iterates ``segments``. (Not to be confused with the *version* segments of a partial rollout: runs of model
+tokens of one policy version inside a sequence, see ``tether.pipeline.staleness``.)
 """
 
 from __future__ import annotations
@@ -35,7 +49,33 @@ class AgentLoopMetrics:
 
 
 @dataclass
+class Segment:
+    """One token-in/token-out context of an episode: what the engine was given, what it produced."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)  # [R] 1 = model token
+    logprobs: list[float] = field(default_factory=list)  # [R] behaviour logprob, 0.0 where mask 0
+    versions: list[int] = field(default_factory=list)  # [R] policy version, -1 where mask 0
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def check(self, name: str = "segment") -> None:
+        """Raise if the per-token arrays disagree in length (a bug in assembly, never user input)."""
+        n = len(self.response_ids)
+        if not (len(self.response_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise AssertionError(
+                f"{name}: response_ids {n}, response_mask {len(self.response_mask)}, "
+                f"logprobs {len(self.logprobs)}, versions {len(self.versions)} must all be equal"
+            )
+
+
+@dataclass
 class Trajectory:
+    """One episode. Its ``prompt_ids`` … ``versions`` are the first segment; see the module docstring."""
+
     task_id: str
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -47,26 +87,30 @@ class Trajectory:
     reward_components: dict[str, float] = field(default_factory=dict)
     hacking_flags: dict[str, int] = field(default_factory=dict)  # pattern -> times detected
     success: bool = False
-    truncated: bool = False
+    truncated: bool = False  # cut by a limit, scored on what was done (Gymnasium's truncation)
+    max_turns_failed: bool = False  # hit environment.state.max_turns under max_turns_exceeded: fail (scored 0)
     termination: str = ""  # why the episode ended, e.g. "user_issue_resolved", "max_turns"
     num_tool_calls: int = 0
     num_user_turns: int = 0
     num_assistant_turns: int = 0
     errors: list[str] = field(default_factory=list)
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
+    continuations: list[Segment] = field(default_factory=list)  # segments after the first, in order
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every segment, first to last; the first shares its lists with this trajectory's own fields."""
+        first = Segment(self.prompt_ids, self.response_ids, self.response_mask, self.logprobs, self.versions)
+        return [first, *self.continuations]
 
     @property
     def num_model_tokens(self) -> int:
-        return sum(self.response_mask)
+        return sum(s.num_model_tokens for s in self.segments)
 
     def check(self) -> None:
-        """Raise if the per-token arrays disagree in length (a bug in assembly, never user input)."""
-        n = len(self.response_ids)
-        if not (len(self.response_mask) == len(self.logprobs) == len(self.versions) == n):
-            raise AssertionError(
-                f"trajectory {self.task_id}: response_ids {n}, response_mask {len(self.response_mask)}, "
-                f"logprobs {len(self.logprobs)}, versions {len(self.versions)} must all be equal"
-            )
+        """Raise if the per-token arrays of a segment disagree in length (a bug in assembly, never user input)."""
+        for i, seg in enumerate(self.segments):
+            seg.check(f"trajectory {self.task_id}" + (f" segment {i}" if i else ""))
 
 
 @dataclass

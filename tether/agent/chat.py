@@ -8,12 +8,24 @@ sequence the trainer sees is the one the engine generated from.
 
 The suffix is cut right after the assistant's end-of-turn token, so the separator that the template puts
 between turns (Qwen's ``\n`` after ``<|im_end|>``) is kept — verl issue #6501 is the bug of dropping it.
+
+A *memory segment* (``tether.agent.loop``) starts from a fresh prompt: the template's rendering of its header
+messages (system prompt, opening request, summary) followed by the kept turns' own token ids, copied from the
+sequence they were generated and observed in. For a prefix-stable template that is the rendering of the same
+conversation, and the policy's own tokens are still never re-tokenised.
+
+``observation_text`` is what a tool message shows the policy: the environment's ``last_tool_result`` and its
+other listed ``observation_fields`` (``environment.state.observation_fields``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+# Observation keys defined by the Env protocol (tether.env.base); every other key is a listed state field.
+PROTOCOL_KEYS = frozenset({"last_tool_result", "user_reply", "tool_error", "memory"})
 
 # A placeholder conversation the deltas are cut from; its content never reaches the model.
 _ANCHOR_SYSTEM = {"role": "system", "content": "s"}
@@ -30,6 +42,18 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in some versions
         out = out["input_ids"]
     return list(out)
+
+
+def observation_text(obs: dict[str, Any]) -> str:
+    """The content of the tool message for one observation: ``last_tool_result`` (when listed), then one
+    ``state: {...}`` line (JSON, in the order the fields are listed) with every other listed observation field
+    that holds something — e.g. ``state: {"user_intent": "refund", "order_status": "delivered"}``. A field
+    with no value yet (no order checked, nothing queried) is left out rather than shown empty."""
+    lines = [str(obs["last_tool_result"])] if obs.get("last_tool_result") is not None else []
+    state = {k: v for k, v in obs.items() if k not in PROTOCOL_KEYS and v not in (None, "", {}, [])}
+    if state:
+        lines.append("state: " + json.dumps(state, ensure_ascii=False))
+    return "\n".join(lines)
 
 
 @dataclass

@@ -10,6 +10,23 @@ tool results and user replies are appended with mask 0 (see ``chat.py``). Depart
 ``respond_to_user``) when the task offers that tool, because in customer service talking to the user is
 the action; calls beyond ``max_parallel_calls`` get an error observation instead of being dropped
 silently; a turn cut by ``max_tokens`` is closed with the end-of-turn token at mask 0.
+
+**Memory segments** (``environment.state.memory``, through the env's ``context_memory()``; an env without it
+has no bound). A *turn* is one assistant message together with the tool results and user replies that answer
+it. When a turn completes and the current segment's context then holds more than ``k`` completed turns, the
+episode continues in a new segment instead of appending to the old one (which ends with that turn's assistant
+tokens). The new segment's prompt is the system prompt, the opening request (the task; it is never dropped),
+the memory's summary of every turn before the last ``k`` as a system message (``summary_enabled``; nothing
+otherwise) and the last ``k`` turns — their token ids as generated and observed. So the policy never
+generates with more than ``k`` completed turns in view; after the first cut every further turn starts a
+segment (a sliding window of ``k``). Each segment is its own token-in/token-out sequence (``Segment``); the
+context window bounds each segment.
+
+**Observations.** A tool message shows ``observation_text(obs)``: ``last_tool_result`` plus a ``state:`` line
+with the other listed ``observation_fields``.
+
+**Tool selection.** ``per_sample``: only the task's ``Task.tools`` are listed in the prompt and callable (a
+call to another tool gets an error observation, no environment step); ``all``: every tool of the env.
 """
 
 from __future__ import annotations
@@ -23,13 +40,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from tether.agent.chat import ChatAssembler, TokenBuffer
+from tether.agent.chat import ChatAssembler, TokenBuffer, observation_text
 from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
 from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Action, Env
-from tether.types import Task, Trajectory
+from tether.env.memory import KeepRecentK, TurnRecord
+from tether.env.termination import CUT_REASONS
+from tether.types import Segment, Task, Trajectory
 
 USER_TOOL = "respond_to_user"
+SUMMARY_PREFIX = "Earlier turns (summary): "
 _REGISTRY: dict[str, type["AgentLoopBase"]] = {}
 
 
@@ -129,7 +149,13 @@ class _Episode:
         self.t0 = time.perf_counter()
         self.traj = Trajectory(task_id=task.id, prompt_ids=[])
         self.messages: list[dict[str, Any]] = []
-        self.buf: TokenBuffer | None = None
+        self.buf: TokenBuffer | None = None  # the current segment
+        self.closed: list[TokenBuffer] = []  # earlier segments
+        self.memory: KeepRecentK | None = None
+        self.header: list[dict[str, Any]] = []  # system prompt + opening request: every segment starts with them
+        self.spans: list[list[int]] = []  # token ids of every completed turn (assistant tokens + what answered)
+        self.turn_start = 0  # where the current turn's assistant tokens begin in buf.response_ids
+        self.turns_in_context = 0  # completed turns in the current segment's context
         self.asm: ChatAssembler | None = None
         self.tool_names: set[str] = set()
         self.parsed: ParsedTurn | None = None
@@ -146,8 +172,11 @@ class _Episode:
             schemas = [s for s in schemas if s["function"]["name"] in self.task.tools]
         self.tool_names = {s["function"]["name"] for s in schemas}
         self.asm = ChatAssembler(self.loop.tokenizer, schemas)
+        context_memory = getattr(self.env, "context_memory", None)
+        self.memory = context_memory() if context_memory is not None else None
         self.messages = [{"role": "system", "content": self.env.system_prompt()},
                          {"role": "user", "content": obs.get("user_reply") or ""}]
+        self.header = list(self.messages)
         self.buf = TokenBuffer(self.asm.prompt(self.messages))
         self.traj.prompt_ids = list(self.buf.prompt_ids)
         if len(self.buf) >= self.loop.limits.context_window:
@@ -169,6 +198,7 @@ class _Episode:
         self.traj.metrics.num_preempted += out.num_preempted
         self.assistant_turns += 1
         versions = out.versions or [self.loop.engine.version] * len(out.token_ids)
+        self.turn_start = len(self.buf.response_ids)
         self.buf.add_model_tokens(list(out.token_ids), list(out.logprobs), list(versions))
         ids = list(out.token_ids)
         if ids and ids[-1] in self.loop.stop_ids:
@@ -196,38 +226,70 @@ class _Episode:
         parsed, limits = self.parsed, self.loop.limits
         new_messages: list[dict[str, Any]] = []
         replies: list[str] = []
+        turn = self.assistant_turns
+        records: list[TurnRecord] = []  # this turn as the memory summarises it
         if not parsed.calls and not parsed.errors:  # plain text: it is said to the user
             results = await self._execute([ToolCall(USER_TOOL, {"message": parsed.content})])
             obs = results[0]
+            shown = observation_text(obs)
             if obs.get("tool_error"):
-                new_messages.append({"role": "tool", "content": obs.get("last_tool_result", "")})
+                new_messages.append({"role": "tool", "content": shown})
             if obs.get("user_reply"):
                 replies.append(obs["user_reply"])
+            records.append(TurnRecord(turn, USER_TOOL, {"message": parsed.content}, shown,
+                                      bool(obs.get("tool_error")), obs.get("user_reply")))
         else:
             calls = parsed.calls[: limits.max_parallel_calls]
             results = await self._execute(calls)
             for call, obs in zip(calls, results):
-                new_messages.append({"role": "tool", "tool_call_id": call.id,
-                                     "content": obs.get("last_tool_result", "")})
+                shown = observation_text(obs)
+                new_messages.append({"role": "tool", "tool_call_id": call.id, "content": shown})
                 if obs.get("user_reply"):
                     replies.append(obs["user_reply"])
+                records.append(TurnRecord(turn, call.name, call.arguments, shown, bool(obs.get("tool_error")),
+                                          obs.get("user_reply")))
             for call in parsed.calls[limits.max_parallel_calls:]:
                 err = f"error: at most {limits.max_parallel_calls} tool calls per turn; '{call.name}' was not run"
                 self.traj.errors.append(err)
                 new_messages.append({"role": "tool", "tool_call_id": call.id, "content": err})
+                records.append(TurnRecord(turn, call.name, call.arguments, err, True))
             for e in parsed.errors:
-                new_messages.append({"role": "tool", "content": f"error: could not parse tool call: {e.reason}"})
+                err = f"error: could not parse tool call: {e.reason}"
+                new_messages.append({"role": "tool", "content": err})
+                records.append(TurnRecord(turn, "malformed_call", None, err, True))
         new_messages += [{"role": "user", "content": r} for r in replies]
         self.user_turns += len(replies)
         self.messages += new_messages
+        if self.memory is not None:
+            for record in records:
+                self.memory.add(record)
         if self.env_done:
             return AgentState.TERMINATED
         if self.user_turns >= limits.max_user_turns:
             return self._terminate("max_user_turns")
         suffix = self.asm.suffix_after_assistant({"role": "assistant", "content": "a"}, new_messages)
+        self.spans.append(self.buf.response_ids[self.turn_start:] + suffix)
+        self.turns_in_context += 1
+        if self.memory is not None and self.turns_in_context > self.memory.k:
+            return self._new_segment()
         if len(self.buf) + len(suffix) >= limits.context_window:
             return self._terminate("context_window")
         self.buf.add_context_tokens(suffix)
+        return AgentState.GENERATING
+
+    def _new_segment(self) -> AgentState:
+        """Continue in a fresh context: header, summary of what fell out, the last k turns (module docstring)."""
+        k = self.memory.k
+        messages = list(self.header)
+        summary = self.memory.summary()
+        if summary:
+            messages.append({"role": "system", "content": SUMMARY_PREFIX + summary})
+        prompt = self.asm.prompt(messages) + [t for span in self.spans[-k:] for t in span]
+        if len(prompt) >= self.loop.limits.context_window:
+            return self._terminate("context_window")
+        self.closed.append(self.buf)
+        self.buf = TokenBuffer(prompt)
+        self.turns_in_context = k
         return AgentState.GENERATING
 
     async def _execute(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -270,14 +332,18 @@ class _Episode:
 
     def finish(self) -> Trajectory:
         tr, info = self.traj, self.final_info
-        tr.response_ids, tr.response_mask = self.buf.response_ids, self.buf.response_mask
-        tr.logprobs, tr.versions = self.buf.logprobs, self.buf.versions
+        first, *rest = [*self.closed, self.buf]
+        tr.prompt_ids, tr.response_ids, tr.response_mask = first.prompt_ids, first.response_ids, first.response_mask
+        tr.logprobs, tr.versions = first.logprobs, first.versions
+        tr.continuations = [Segment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.versions)
+                            for b in rest]
         tr.messages = self.messages
         tr.reward_components = dict(info.get("reward_components", {}))
         tr.hacking_flags = dict(info.get("hacking_flags", {}))
         tr.success = bool(info.get("success", False))
         tr.termination = str(info.get("termination", ""))
-        tr.truncated = tr.termination in {"max_turns", "max_assistant_turns", "max_user_turns", "context_window"}
+        tr.truncated = bool(info["truncated"]) if "truncated" in info else tr.termination in CUT_REASONS
+        tr.max_turns_failed = bool(info.get("max_turns_failed", False))
         tr.metrics.compute_score += float(info.get("compute_score_s", 0.0))
         tr.num_user_turns, tr.num_assistant_turns = self.user_turns, self.assistant_turns
         tr.metrics.num_turns = self.user_turns + self.assistant_turns + 1

@@ -4,6 +4,11 @@
 reason). The summary is deterministic and templated — no model writes it — and stays a single short line:
 how many turns fell out of the window, which tools they called, and the last result of each tool.
 An environment can pass its own ``summarize`` to add what it knows (e.g. facts extracted so far).
+
+A *turn* is a ``TurnRecord.turn`` value: records that share it are one turn and are kept or dropped together.
+The environment numbers every step as its own turn (its ``observation["memory"]``, for policies that read
+observations); the agent loop numbers every *assistant* turn (all the calls of one assistant message), which
+is what the policy's context is cut in (``tether.agent.loop``, memory segments).
 """
 
 from __future__ import annotations
@@ -68,16 +73,33 @@ class KeepRecentK:
     def add(self, record: TurnRecord) -> None:
         self.records.append(record)
 
+    def _cut(self) -> int:
+        """Index of the first record of the last ``k`` turns (the records of one turn are contiguous)."""
+        turns, last = 0, None
+        for i in range(len(self.records) - 1, -1, -1):
+            if self.records[i].turn != last:
+                turns, last = turns + 1, self.records[i].turn
+                if turns > self.k:
+                    return i + 1
+        return 0
+
     @property
     def dropped(self) -> list[TurnRecord]:
-        return self.records[: max(0, len(self.records) - self.k)]
+        """The records of every turn before the last ``k``."""
+        return self.records[: self._cut()]
+
+    @property
+    def recent(self) -> list[TurnRecord]:
+        """The records of the last ``k`` turns."""
+        return self.records[self._cut():]
+
+    def summary(self) -> str | None:
+        """The summary of what fell out of the window; None when disabled or nothing fell out."""
+        dropped = self.dropped
+        return self.summarize(dropped) if self.summary_enabled and dropped else None
 
     def view(self) -> dict[str, Any]:
-        recent = [r.view() for r in self.records[-self.k:]]
-        summary = None
-        if self.summary_enabled and self.dropped:
-            summary = self.summarize(self.dropped)
-        return {"recent": recent, "summary": summary}
+        return {"recent": [r.view() for r in self.recent], "summary": self.summary()}
 
 
 def make_memory(config: Any) -> KeepRecentK:

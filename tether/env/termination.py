@@ -5,10 +5,17 @@ Checked after every step, first match wins:
 1. ``user_issue_resolved`` — the success criterion: the (simulated) user declared the issue resolved;
 2. ``escalated`` — a terminal tool (``escalate_to_human``) ran without error;
 3. ``tool_errors`` — ``tool_error_threshold`` error observations so far;
-4. ``max_turns`` — ``max_turns`` steps were taken; ``truncated=True`` when ``max_turns_exceeded`` is
-   ``"truncate"`` (a time limit, in Gymnasium's sense: not a terminal state), ``False`` when ``"fail"``.
+4. ``max_turns`` — ``max_turns`` steps were taken. ``max_turns_exceeded: truncate`` keeps the verifier's
+   partial score and marks the episode ``truncated`` (a time limit, in Gymnasium's sense: not a terminal
+   state); ``fail`` marks it ``failed``: the environment scores it as a failure (every reward component 0,
+   ``success`` False; a hacking penalty still applies) and it is not ``truncated``.
 
 Endings decided outside the environment (the agent loop's own limits) come in through ``external``.
+
+A step is one tool call (``respond_to_user`` included). Under the ``tool_agent`` loop an episode takes at most
+``max_assistant_turns × max_parallel_calls`` steps (a turn's extra calls are refused without a step), so a
+larger ``max_turns`` is never reached and ``max_turns_exceeded`` never acts: ``max_turns_reachable(cfg)``
+says which (the seed's 20 > 5 × 2 is not reachable).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ CUT_REASONS = frozenset({MAX_TURNS, "max_assistant_turns", "max_user_turns", "co
 @dataclass(frozen=True)
 class Ending:
     reason: str
-    truncated: bool = False
+    truncated: bool = False  # cut by a limit: score what was done
+    failed: bool = False  # cut by max_turns under max_turns_exceeded: fail: score it as a failure
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,23 @@ class TerminationRule:
         if tool_errors >= self.tool_error_threshold:
             return Ending(TOOL_ERRORS)
         if turns >= self.max_turns:
-            return Ending(MAX_TURNS, truncated=self.max_turns_exceeded == "truncate")
+            truncate = self.max_turns_exceeded == "truncate"
+            return Ending(MAX_TURNS, truncated=truncate, failed=not truncate)
         return None
 
     @staticmethod
     def external(reason: str) -> Ending:
         """An ending the agent loop decided (e.g. ``max_assistant_turns``, ``no_action``)."""
         return Ending(reason, truncated=reason in CUT_REASONS)
+
+
+def max_env_steps(max_assistant_turns: int, max_parallel_calls: int) -> int:
+    """The most environment steps the ``tool_agent`` loop can take in one episode."""
+    return max_assistant_turns * max_parallel_calls
+
+
+def max_turns_reachable(cfg: Any) -> bool:
+    """Whether ``environment.state.max_turns`` can end an episode of a ``RunConfig`` under the agent loop's own
+    limits; when False, ``environment.termination.max_turns_exceeded`` has no effect in that run."""
+    a = cfg.agent_loop
+    return cfg.environment.state.max_turns <= max_env_steps(a.max_assistant_turns, a.max_parallel_calls)

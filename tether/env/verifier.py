@@ -11,7 +11,13 @@
   episode ended the way the task requires (e.g. resolved, or escalated when policy demands it). Without
   it a do-nothing, truncated or immediately-escalated episode would pass "no refund was wrongly issued"
   checks for free (tau2 RFC #129).
+- **Partial credit** (``verify(..., partial=True)``, an episode truncated at ``max_turns`` under
+  ``max_turns_exceeded: truncate``: "score what was done"): the rule checks count when ``progress`` holds —
+  the task's own work was done (e.g. the gold order was checked against the policy) — instead of the gate, so
+  a do-nothing episode still earns nothing; gated rubrics stay gated (a cut episode is not efficient).
 - ``success`` = gate AND every rule check is 1.0.
+- ``Verdict.as_failure()``: the same verdict scored as a failure (an episode that ran out of turns under
+  ``max_turns_exceeded: fail``).
 
 ``type`` selects what counts: ``"rule"`` (rules only), ``"model"`` (rubrics only) or ``"hybrid"`` (both);
 rule checks are evaluated in every case because ``success`` needs them.
@@ -20,7 +26,7 @@ rule checks are evaluated in every case because ``success`` needs them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from tether.env.anti_hacking import penalty_of
@@ -57,6 +63,7 @@ class Judge(Protocol):
 RubricFn = Callable[[Transcript, Task], float]
 RuleFn = Callable[[Any, Transcript, Task], float]
 GateFn = Callable[[Transcript, Task], bool]
+ProgressFn = Callable[[Any, Transcript, Task], bool]
 
 
 class DeterministicJudge:
@@ -82,11 +89,18 @@ class Verdict:
     hacking_penalty: float
     success: bool
     gate: bool
+    partial: bool = False  # the rule checks were scored on progress (truncated at max_turns), not on the gate
+
+    def as_failure(self) -> Verdict:
+        """This episode scored as a failure (``termination.max_turns_exceeded: fail``): every component 0,
+        ``success`` False; the hacking penalty still applies, so hacking never pays."""
+        return replace(self, reward=round(-self.hacking_penalty, 9) + 0.0,
+                       components={name: 0.0 for name in self.components}, success=False)
 
     def info(self) -> dict[str, Any]:
         return {"reward_components": dict(self.components), "reward_weights": dict(self.weights),
                 "hacking_flags": dict(self.hacking_flags), "hacking_penalty": self.hacking_penalty,
-                "success": self.success, "ended_as_required": self.gate}
+                "success": self.success, "ended_as_required": self.gate, "partial_credit": self.partial}
 
 
 def _checked(name: str, value: Any) -> float:
@@ -99,27 +113,30 @@ def _checked(name: str, value: Any) -> float:
 class HybridVerifier:
     def __init__(self, *, rules: Sequence[tuple[str, float]], rubrics: Sequence[tuple[str, float]],
                  rule_fns: Mapping[str, RuleFn], judge: Judge, gate: GateFn = lambda tr, task: True,
-                 gated: Iterable[str] = (), penalty: Mapping[str, float] | None = None, type: str = "hybrid"):
+                 gated: Iterable[str] = (), penalty: Mapping[str, float] | None = None, type: str = "hybrid",
+                 progress: ProgressFn = lambda world, tr, task: False):
         if type not in ("hybrid", "rule", "model"):
             raise ValueError(f"verifier.type must be 'hybrid', 'rule' or 'model', got {type!r}")
         missing = sorted({name for name, _ in rules} - set(rule_fns))
         if missing:
             raise ValueError(f"verifier.rule_based names unknown checks {missing}; known: {sorted(rule_fns)}")
         self.rules, self.rubrics = list(rules), list(rubrics)
-        self.rule_fns, self.judge, self.gate = dict(rule_fns), judge, gate
+        self.rule_fns, self.judge, self.gate, self.progress = dict(rule_fns), judge, gate, progress
         self.gated = frozenset(gated)
         self.penalty = dict(penalty or {})
         self.type = type
 
     @classmethod
     def from_config(cls, verifier: Any, *, rule_fns: Mapping[str, RuleFn], judge: Judge,
-                    gate: GateFn, gated: Iterable[str] = ()) -> HybridVerifier:
+                    gate: GateFn, gated: Iterable[str] = (),
+                    progress: ProgressFn = lambda world, tr, task: False) -> HybridVerifier:
         """From a ``VerifierConfig``; penalties apply only when anti-hacking is enabled."""
         ah = verifier.anti_hacking
         penalty = {p: ah.penalty.get(p, 0.0) for p in ah.detect_patterns} if ah.enabled else {}
         return cls(rules=[(r.check, r.weight) for r in verifier.rule_based],
                    rubrics=[(r.rubric, r.weight) for r in verifier.model_based],
-                   rule_fns=rule_fns, judge=judge, gate=gate, gated=gated, penalty=penalty, type=verifier.type)
+                   rule_fns=rule_fns, judge=judge, gate=gate, gated=gated, penalty=penalty, type=verifier.type,
+                   progress=progress)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -131,10 +148,12 @@ class HybridVerifier:
         return out
 
     def verify(self, world: Any, transcript: Transcript, task: Task,
-               hacking_flags: Mapping[str, int] | None = None) -> Verdict:
+               hacking_flags: Mapping[str, int] | None = None, *, partial: bool = False) -> Verdict:
+        """``partial``: the episode was truncated and is scored on what was done (module docstring)."""
         gate = bool(self.gate(transcript, task))
-        rule_scores = {name: _checked(name, self.rule_fns[name](world, transcript, task)) if gate else 0.0
-                       for name, _ in self.rules}
+        by_progress = not gate and partial and bool(self.progress(world, transcript, task))
+        rule_scores = {name: _checked(name, self.rule_fns[name](world, transcript, task)) if gate or by_progress
+                       else 0.0 for name, _ in self.rules}
         components: dict[str, float] = {}
         if self.type != "model":
             components.update(rule_scores)
@@ -147,4 +166,4 @@ class HybridVerifier:
         weights = self.weights
         reward = sum(weights[name] * c for name, c in components.items()) - pen
         success = gate and all(s == 1.0 for s in rule_scores.values())
-        return Verdict(round(reward, 9), components, weights, flags, round(pen, 9), success, gate)
+        return Verdict(round(reward, 9), components, weights, flags, round(pen, 9), success, gate, by_progress)

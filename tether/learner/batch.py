@@ -1,6 +1,16 @@
 """Trajectories → padded tensors for the learner, token-aligned and never re-tokenised.
 
-A trajectory's sequence is ``prompt_ids + response_ids``; rows are right-padded with the pad id. Every per-token
+One row per *segment* (``Trajectory.segments``; one per trajectory unless the memory bound cut the episode):
+a segment's sequence is ``prompt_ids + response_ids``; rows are right-padded with the pad id. The rows of a
+trajectory are consecutive, each carries the trajectory's advantage, and ``traj_index`` says whose they are.
+What that means for the loss: a model token is trained exactly once (in the segment that generated it; later
+segments hold it, if at all, in their prompt). ``token_mean`` is unchanged by segmenting; the seq-mean modes
+count *segments* as their sequences — in ``seq_mean_token_mean`` a trajectory cut into n segments adds n
+per-segment means (as a longer trajectory adds more tokens under ``token_mean``), and
+``seq_mean_token_sum_norm``'s B counts segments. Mini-batches and micro-batches are cut between
+trajectories (``split``), so ``mini_batch_size`` still counts trajectories and a trajectory's segments are
+updated together.
+ Every per-token
 tensor is indexed by the position of the token it describes: ``loss_mask[b, t]`` and ``old_logp[b, t]`` belong
 to ``input_ids[b, t]``. Prompt tokens have mask 0 and old logprob 0; response tokens carry the trajectory's own
 ``response_mask`` (1 = sampled by the policy, 0 = tool/user/template token) and behaviour logprob.
@@ -28,42 +38,56 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens, 0 on padding
     loss_mask: torch.Tensor  # [B, T] float32, 1 on model-sampled response tokens only
     old_logp: torch.Tensor  # [B, T] float32, behaviour logprob of token t (0 where loss_mask is 0)
-    advantages: torch.Tensor  # [B] float32, one advantage per trajectory
+    advantages: torch.Tensor  # [B] float32, the advantage of the row's trajectory
+    traj_index: torch.Tensor | None = None  # [B] long, index of the row's trajectory (None: row i = trajectory i)
     prox_logp: torch.Tensor | None = None  # [B, T] float32, the learner's logprob of token t at the step's start
 
     @classmethod
     def from_trajectories(
         cls, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor, *, pad_id: int
     ) -> TrainBatch:
-        """Stack ``trajectories`` (ids as recorded, no re-tokenisation) with one advantage each."""
-        adv = torch.as_tensor(advantages, dtype=torch.float32).detach().reshape(-1)  # [B]
+        """Stack the segments of ``trajectories`` (ids as recorded, no re-tokenisation), one advantage per
+        trajectory, repeated on each of its segments."""
+        adv = torch.as_tensor(advantages, dtype=torch.float32).detach().reshape(-1)  # [N]
         if len(trajectories) == 0:
             raise ValueError("cannot build a TrainBatch from no trajectories")
         if adv.shape[0] != len(trajectories):
             raise ValueError(f"{len(trajectories)} trajectories but {adv.shape[0]} advantages")
-        for traj in trajectories:
+        rows, owner = [], []
+        for j, traj in enumerate(trajectories):
             traj.check()
-            if not traj.prompt_ids:
-                raise ValueError(f"trajectory {traj.task_id} has an empty prompt: its first token has no context")
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
-        b, length = len(trajectories), max(lengths)
+            for seg in traj.segments:
+                if not seg.prompt_ids:
+                    raise ValueError(f"trajectory {traj.task_id} has an empty prompt: its first token has no context")
+                rows.append(seg)
+                owner.append(j)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in rows]
+        b, length = len(rows), max(lengths)
         input_ids = torch.full((b, length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((b, length), dtype=torch.long)
         loss_mask = torch.zeros((b, length), dtype=torch.float32)
         old_logp = torch.zeros((b, length), dtype=torch.float32)
-        for i, traj in enumerate(trajectories):
-            p, n = len(traj.prompt_ids), lengths[i]
-            input_ids[i, :n] = torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long)
+        for i, seg in enumerate(rows):
+            p, n = len(seg.prompt_ids), lengths[i]
+            input_ids[i, :n] = torch.tensor(seg.prompt_ids + seg.response_ids, dtype=torch.long)
             attention_mask[i, :n] = 1
             if n > p:
-                mask = torch.tensor(traj.response_mask, dtype=torch.float32)  # [R]
+                mask = torch.tensor(seg.response_mask, dtype=torch.float32)  # [R]
                 loss_mask[i, p:n] = mask
                 # The trajectory stores 0.0 where the mask is 0; enforce it so nothing leaks from a tool token.
-                old_logp[i, p:n] = torch.tensor(traj.logprobs, dtype=torch.float32) * mask
-        return cls(input_ids, attention_mask, loss_mask, old_logp, adv)
+                old_logp[i, p:n] = torch.tensor(seg.logprobs, dtype=torch.float32) * mask
+        index = torch.tensor(owner, dtype=torch.long)  # [B]
+        return cls(input_ids, attention_mask, loss_mask, old_logp, adv[index], index)
 
     def __len__(self) -> int:
+        """Rows (segments)."""
         return self.input_ids.shape[0]
+
+    @property
+    def num_trajectories(self) -> int:
+        if self.traj_index is None:
+            return len(self)
+        return int(torch.unique_consecutive(self.traj_index).numel())
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +108,7 @@ class TrainBatch:
             value = getattr(self, name)
             if value is None:
                 return None
-            return value[start:stop] if name == "advantages" else value[start:stop, :length]
+            return value[start:stop] if value.dim() == 1 else value[start:stop, :length]
 
         return TrainBatch(**{f.name: cut(f.name) for f in fields(self)})
 
@@ -93,10 +117,17 @@ class TrainBatch:
                              for f in fields(self)})
 
     def split(self, n: int) -> list[TrainBatch]:
-        """``n`` consecutive parts, in order, as equal as possible (sizes differ by at most one, larger first),
-        each padded only to its own longest sequence."""
-        if not 0 < n <= len(self):
-            raise ValueError(f"cannot split a batch of {len(self)} trajectories into {n} non-empty parts")
-        size, extra = divmod(len(self), n)
-        bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        """``n`` consecutive parts, in order, as equal as possible in *trajectories* (sizes differ by at most
+        one, larger first; a trajectory's segments stay together), each padded only to its own longest sequence."""
+        m = self.num_trajectories
+        if not 0 < n <= m:
+            raise ValueError(f"cannot split a batch of {m} trajectories into {n} non-empty parts")
+        size, extra = divmod(m, n)
+        traj_bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        if self.traj_index is None:
+            bounds = traj_bounds
+        else:  # row where each trajectory starts, and the end
+            changes = torch.nonzero(self.traj_index[1:] != self.traj_index[:-1]).flatten() + 1
+            starts = [0, *changes.tolist(), len(self)]
+            bounds = [starts[t] for t in traj_bounds]
         return [self.slice(bounds[i], bounds[i + 1]) for i in range(n)]

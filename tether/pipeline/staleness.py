@@ -27,7 +27,8 @@ def _group(item) -> Group:
 
 def model_token_versions(trajectories: Sequence[Trajectory]) -> list[int]:
     """The versions of every model token (mask 1); -1 entries are skipped (a token no policy sampled)."""
-    return [v for t in trajectories for m, v in zip(t.response_mask, t.versions) if m == 1 and v >= 0]
+    return [v for t in trajectories for s in t.segments for m, v in zip(s.response_mask, s.versions)
+            if m == 1 and v >= 0]
 
 
 def oldest_version(group: Group) -> int | None:
@@ -45,14 +46,15 @@ def mask_older_segments(traj: Trajectory) -> int:
     train only on the segment of its newest version; the older segments stay in the sequence as context.
     Clears their ``response_mask`` in place (versions and logprobs are kept) and returns how many tokens
     it removed from training. The lag of the trajectory then counts from that newest segment."""
-    versions = [v for m, v in zip(traj.response_mask, traj.versions) if m == 1 and v >= 0]
+    versions = model_token_versions([traj])
     if not versions or min(versions) == max(versions):
         return 0
     newest, masked = max(versions), 0
-    for i, (m, v) in enumerate(zip(traj.response_mask, traj.versions)):
-        if m == 1 and 0 <= v < newest:
-            traj.response_mask[i] = 0
-            masked += 1
+    for seg in traj.segments:  # memory segments (tether.types): every one of them, in place
+        for i, (m, v) in enumerate(zip(seg.response_mask, seg.versions)):
+            if m == 1 and 0 <= v < newest:
+                seg.response_mask[i] = 0
+                masked += 1
     return masked
 
 

@@ -11,8 +11,22 @@ Each step is one action ``{"name": tool, "params": {...}}``. Observation keys: t
 what the user answered is ``user_reply``. Per-step reward is 0; the step that ends the episode returns
 the verifier's total and ``info`` with ``termination``, ``truncated``, ``reward_components``,
 ``reward_weights``, ``hacking_flags``, ``hacking_penalty``, ``success``, ``ended_as_required``,
-``num_turns``, ``tool_errors`` and ``compute_score_s``. Stepping a finished episode raises
-``EpisodeEndedError``; ``finalize(reason)`` ends an episode from outside (agent-loop limits).
+``partial_credit``, ``max_turns_failed``, ``num_turns``, ``tool_errors`` and ``compute_score_s``. Stepping a
+finished episode raises ``EpisodeEndedError``; ``finalize(reason)`` ends an episode from outside (agent-loop
+limits).
+
+Config keys felt here: ``state.observation_fields`` picks the observation's keys (the agent loop shows every
+listed one to the policy, see ``tether.agent.chat.observation_text``); ``state.memory`` is the env's
+``observation["memory"]`` and, through ``context_memory()``, the bound on the policy's context (the agent
+loop's segments); ``termination.max_turns_exceeded`` decides how an episode that reached ``state.max_turns``
+is scored: ``truncate`` on what was done (``verify(partial=True)``: the rule checks count when
+``grading.work_done``; ``info["truncated"]``), ``fail`` as a failure (``Verdict.as_failure``: every
+component 0; ``info["max_turns_failed"]``).
+
+Every episode can call every configured tool (the seed's own flow calls ``query_inventory`` in a refund
+task). ``Task.tools`` (built-in tasks: their intent's tools, ``tasks.TOOLS``) is the *agent loop's*
+per-sample selection (``agent_loop.tool_selection``): the loop lists only those tools and refuses the others
+without an environment step.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from tether.env.customer_service.tasks import generate
 from tether.env.customer_service.user_sim import UserSimulator
 from tether.env.customer_service.world import PRIORITIES, REASON_CODES, World
 from tether.env.memory import KeepRecentK, TurnRecord, make_memory
-from tether.env.termination import Ending, TerminationRule
+from tether.env.termination import MAX_TURNS, Ending, TerminationRule
 from tether.env.tools import Latency, Param, Tool, ToolBox, ToolResult, error_text, parse_action
 from tether.env.verifier import DeterministicJudge, HybridVerifier, Transcript
 from tether.types import Task
@@ -129,7 +143,7 @@ class CustomerServiceEnv:
             cfg.termination, cfg.state.max_turns, [n for n in TERMINAL_TOOLS if n in self._specs])
         self.verifier = HybridVerifier.from_config(
             cfg.verifier, rule_fns=grading.RULES, judge=DeterministicJudge(grading.RUBRICS),
-            gate=grading.ended_as_required, gated=grading.GATED)
+            gate=grading.ended_as_required, gated=grading.GATED, progress=grading.work_done)
         self.observation_fields = list(cfg.state.observation_fields)
         self._next_train = 0
         self._ep: _Episode | None = None
@@ -179,8 +193,7 @@ class CustomerServiceEnv:
 
     def reset(self, task_id: str | None = None, *, task: Task | None = None, seed: int | None = None) -> Observation:
         """Start an episode of ``task_id`` (None: the next train task), or of an explicit ``task`` whose data
-        refers to this world (e.g. a generated task with ``tools`` narrowed). ``seed`` varies the simulated
-        latencies between episodes of one task."""
+        refers to this world. ``seed`` varies the simulated latencies between episodes of one task."""
         if task is None:
             if task_id is None:
                 train = self._bundle.train
@@ -193,7 +206,7 @@ class CustomerServiceEnv:
         user = UserSimulator(task)
         ah = self.config.verifier.anti_hacking
         self._ep = _Episode(
-            task=task, world=world, user=user, toolbox=ToolBox(self._tools(world, user), task.tools),
+            task=task, world=world, user=user, toolbox=ToolBox(self._tools(world, user)),
             memory=make_memory(self.config.state.memory), detector=HackingDetector.from_config(ah),
             rng=random.Random(f"{self.config.seed}:{task.id}:{seed or 0}"))
         return self._observation(self._ep, None, user.opening(), False)
@@ -264,8 +277,11 @@ class CustomerServiceEnv:
     def _end(self, ep: _Episode, ending: Ending) -> tuple[float, dict[str, Any]]:
         t = time.perf_counter()
         verdict = self.verifier.verify(ep.world, Transcript(list(ep.records), ending.reason), ep.task,
-                                       dict(ep.detector.flags))
-        info = {"termination": ending.reason, "truncated": ending.truncated, **verdict.info(),
+                                       dict(ep.detector.flags), partial=ending.reason == MAX_TURNS and ending.truncated)
+        if ending.failed:
+            verdict = verdict.as_failure()
+        info = {"termination": ending.reason, "truncated": ending.truncated, "max_turns_failed": ending.failed,
+                **verdict.info(),
                 "num_turns": ep.finished, "tool_errors": ep.tool_errors,
                 "compute_score_s": time.perf_counter() - t}
         ep.ending, ep.final = ending, (verdict.reward, info)
@@ -289,6 +305,10 @@ class CustomerServiceEnv:
 
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
+
+    def context_memory(self) -> KeepRecentK:
+        """A fresh ``state.memory`` for the agent loop: it bounds how many turns the policy sees verbatim."""
+        return make_memory(self.config.state.memory)
 
     # -- inspection -----------------------------------------------------------------------------------
     @property

@@ -16,12 +16,17 @@ Rubrics (``DeterministicJudge``), judged on the transcript:
   it is wrong.
 
 Gate (``ended_as_required``): the episode ended resolved (or escalated, when policy requires it). The
-rule checks and ``efficiency`` score 0 otherwise.
+rule checks and ``efficiency`` score 0 otherwise — except in an episode truncated at ``max_turns`` under
+``max_turns_exceeded: truncate``, where the rule checks count when ``work_done``: the task's database work
+happened (order tasks: the gold order and reason were checked against the policy; stock questions: the gold
+SKU was queried). Doing nothing still earns nothing; telling the user (``response_quality``) would have
+resolved the episode, so a truncated one is worth at most the rule weights.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Mapping
 
 from tether.env.customer_service.user_sim import communicates
 from tether.env.customer_service.world import World
@@ -35,6 +40,14 @@ GATED = ("refund_amount_correct", "policy_compliance", "efficiency")
 
 def ended_as_required(tr: Transcript, task: Task) -> bool:
     return tr.termination == (ESCALATED if task.data["must_escalate"] else RESOLVED)
+
+
+def work_done(world: World, tr: Transcript, task: Task) -> bool:
+    d = task.data
+    if d["order_id"] is not None:
+        return (d["order_id"], d["reason_code"]) in {(c["order_id"], c["reason_code"]) for c in world.policy_checks()}
+    return any(isinstance(t.args, Mapping) and str(t.args.get("sku_id", "")).strip().upper() == d["sku_id"]
+               for t in tr.calls("query_inventory", ok_only=True))
 
 
 def refund_amount_correct(world: World, tr: Transcript, task: Task) -> float:

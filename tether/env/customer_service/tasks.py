@@ -8,6 +8,11 @@ Five kinds, balanced in both splits (task ``i`` has kind ``KINDS[i % 5]``):
 - ``refund_escalate`` policy requires a human (fraud report, or a refund over the limit) → escalate;
 - ``refund_refuse``   policy refuses (outside the window, not delivered yet, or a non-refundable reason).
 
+Each task offers the tools of its intent (``Task.tools``, applied under ``agent_loop.tool_selection:
+per_sample``): a stock question gets ``query_inventory`` and ``respond_to_user``; every refund kind gets
+``check_refund_policy``, ``escalate_to_human`` and ``respond_to_user`` — the same three whatever the policy will
+decide, so the tool list never gives the outcome away (the intent is in the opening message anyway).
+
 The held-out split (``test_000`` …) is generated before the train split from its own random stream, so
 it does not change when ``num_train_tasks`` does. No two tasks share an order, and no two inventory tasks
 share a (customer, sku) pair, so the splits share no (customer, order, sku) scenario. Order ids are drawn
@@ -43,6 +48,12 @@ SOLUTIONS = {
     "inventory": ("query_inventory", "respond_to_user"),
     "refund_escalate": ("check_refund_policy", "escalate_to_human"),
     "refund_refuse": ("check_refund_policy", "respond_to_user"),
+}
+
+# The tools each intent offers (per-sample tool selection); a superset of its kinds' SOLUTIONS.
+TOOLS = {
+    "inventory": ("query_inventory", "respond_to_user"),
+    "refund": ("check_refund_policy", "escalate_to_human", "respond_to_user"),
 }
 
 _FIRST = ("Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena", "Max", "Nia",
@@ -148,7 +159,7 @@ def _split(split: str, n: int, seed: int, customers: list[tuple], skus: list[tup
             data.update(intent="refund", order_id=oid, order_stated=stated, sku_id=sku[0], reason_code=reason,
                         opening=f"Hi, I want a refund{where}. {PHRASES[reason]}", **_gold(kind, d, None))
         data["solution"] = list(SOLUTIONS[kind])
-        out.append(Task(id=f"{prefix}_{i:03d}", split=split, kind=kind, data=data))
+        out.append(Task(id=f"{prefix}_{i:03d}", split=split, kind=kind, data=data, tools=TOOLS[data["intent"]]))
     return out
 
 
