@@ -162,7 +162,7 @@ class Learner:
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
-        minis = batch.split(-(-len(batch) // self.mini_batch_size))
+        minis = batch.split(-(-batch.num_trajectories // self.mini_batch_size))  # rows = segments; split by trajectory
         updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
         for mini in updates:
@@ -204,7 +204,7 @@ class Learner:
                 acc: dict[str, list[tuple[float, float]]]) -> float | None:
         """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
         reference that it measured, None when KL is off or the update was skipped."""
-        micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, len(mini)))]
+        micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, mini.num_trajectories))]
         # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
         denom = sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros)
         self.optimizer.zero_grad()

@@ -140,7 +140,10 @@ def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float | None,
     record_metric("agent/errors", sum(len(t.errors) for t in trajs) / n)
     record_metric("rollout/response_tokens", sum(t.num_model_tokens for t in trajs) / n)
     record_metric("rollout/truncated_ratio", sum(t.truncated for t in trajs) / n)
+    record_metric("rollout/max_turns_failed", sum(t.max_turns_failed for t in trajs) / n)  # max_turns_exceeded: fail
+    record_metric("rollout/segments", sum(len(t.segments) for t in trajs) / n)  # memory segments per trajectory
     # partial rollouts: trajectories whose model tokens come from more than one parameter version
-    record_metric("rollout/partial_ratio", sum(len({v for v in t.versions if v >= 0}) > 1 for t in trajs) / n)
+    record_metric("rollout/partial_ratio",
+                  sum(len({v for s in t.segments for v in s.versions if v >= 0}) > 1 for t in trajs) / n)
     if elapsed_s is not None:  # wall time of generating this batch (sync mode)
         record_metric("perf/rollout_time", elapsed_s, "sum")
