@@ -7,13 +7,19 @@ same objects the same way.
 from __future__ import annotations
 
 import copy
+import fcntl
+import logging
 import os
+import shutil
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
-from tether.config import RunConfig
+from tether.config import ConfigError, RunConfig
 from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Env
 from tether.env.customer_service import CustomerServiceEnv, example_texts
@@ -23,16 +29,60 @@ from tether.types import Task
 ENVIRONMENTS: dict[str, tuple[Callable[[RunConfig], Env], Callable[[str, RunConfig], list[Task]]]] = {
     "customer_service_agent": (CustomerServiceEnv, lambda split, cfg: CustomerServiceEnv(cfg).tasks(split)),
 }
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
+    """Where built presets are kept: ``$TETHER_CACHE``, else ``~/.cache/tether``."""
     return Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether"))
 
 
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cached_build(target: Path, build: Callable[[Path], Any], *, what: str, note: str = "",
+                 log: Callable[[str], None] = say) -> str:
+    """``target`` if it holds a model, else ``build`` it there once: under an exclusive lock on
+    ``target.lock`` (a second process waits instead of building it again), into a temporary folder that is
+    renamed into place when complete (a crash leaves no half-built preset)."""
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process that is building the {what} preset into {target}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return str(target)
+        log(f"building the {what} preset (one time{note}) into {target}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            t0 = time.perf_counter()
+            build(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"built {what} preset in {time.perf_counter() - t0:.0f} s, cached at {target}")
+    return str(target)
+
+
 def model_path(cfg: RunConfig) -> str:
-    """The HF folder of the policy: ``model.path``, or the tiny preset built once and cached."""
+    """The HF folder of the policy: ``model.path``, or a preset built once and cached (``cache_dir()``).
+
+    ``tiny``: random weights (tests, benchmarks). ``tiny-sft``: the tiny model warm-started on the
+    customer-service expert's demonstrations (``tether.warmstart.tiny_sft``), the one RL learns from."""
     if cfg.model.path:
         return cfg.model.path
+    if cfg.model.preset == "tiny-sft":
+        from tether.warmstart.tiny_sft import build_tiny_sft, cache_key
+
+        return cached_build(cache_dir() / f"tiny-sft-{cache_key(cfg)}",
+                            lambda tmp: build_tiny_sft(cfg, tmp, log=lambda m: say(f"[tiny-sft] {m}")),
+                            what="tiny-sft", note=", a few minutes on a CPU: the tiny model warm-started on the "
+                                                  "customer-service expert's demonstrations")
     from tether.learner.model import ensure_tiny
 
     return ensure_tiny(cache_dir(), corpus=example_texts(400), seed=cfg.trainer.seed)
@@ -53,10 +103,35 @@ def sampling_params(cfg: RunConfig, *, greedy: bool = False) -> SamplingParams:
     return replace(params, temperature=0.0, top_p=1.0) if greedy else params
 
 
-def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greedy: bool = False) -> AgentLoopBase:
+def context_window(cfg: RunConfig, model_config: Any, where: str = "the model") -> int:
+    """The agent loop's token budget per sequence (prompt + response) for this model; checked at start.
+
+    ``engine.max_tokens`` at or past the model's ``max_position_embeddings`` is refused (ConfigError): no turn
+    could ever generate that many tokens after its prompt. ``environment.state.context_window`` past them is
+    clamped to them with a warning, not refused: the default (32768) is meant as "as long as the model
+    allows", and a window the model cannot hold would otherwise fail at the first prompt that outgrows it.
+    A model config without ``max_position_embeddings`` leaves the window as configured."""
+    window = cfg.environment.state.context_window
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return window
+    if cfg.engine.max_tokens >= positions:
+        raise ConfigError(f"`engine.max_tokens` = {cfg.engine.max_tokens} does not fit {where}: its "
+                          f"max_position_embeddings is {positions}, shared by a turn's prompt and its new tokens; "
+                          f"set engine.max_tokens below {positions}")
+    if window > positions:
+        log.warning("environment.state.context_window = %d is more than %s's %d positions: episodes are cut at "
+                    "%d tokens", window, where, positions, positions)
+        return positions
+    return window
+
+
+def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greedy: bool = False,
+               window: int | None = None) -> AgentLoopBase:
+    """The configured agent loop; ``window``: the context window checked against the model (``context_window``)."""
     return make_agent_loop(
         cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg, greedy=greedy),
-        limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window),
+        limits=LoopLimits.from_config(cfg.agent_loop, window or cfg.environment.state.context_window),
         parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids),
     )
 
@@ -80,17 +155,20 @@ class Runtime:
     engine: InferenceEngine
     make_env: Callable[[], Env]
     tasks: Callable[[str], list[Task]]
+    window: int | None = None  # the context window the model can hold (``context_window``)
 
     @classmethod
     def build(cls, cfg: RunConfig, model_dir: str | None = None) -> "Runtime":
         from tether.learner.model import load_model_and_tokenizer
 
-        model, tokenizer = load_model_and_tokenizer(model_dir or model_path(cfg), cfg.model.dtype)
+        path = model_dir or model_path(cfg)
+        model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
+        window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, local_engine(cfg, model), make_env, tasks)
+        return cls(cfg, model, tokenizer, local_engine(cfg, model), make_env, tasks, window)
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
-        return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy)
+        return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)
 
     def close(self) -> None:
         self.engine.close()

@@ -98,8 +98,10 @@ def _check_url(url: str) -> None:
 class ModelConfig(Section):
     """The policy model: the built-in tiny preset or a Hugging Face folder (exactly one)."""
 
-    preset: Literal["tiny"] | None = "tiny"
-    """Built-in model built from a config (no download); cleared when only ``path`` is given."""
+    preset: Literal["tiny", "tiny-sft"] | None = "tiny"
+    """Built-in model built from a config (no download), once, into the cache (``$TETHER_CACHE``): ``tiny``
+    has random weights; ``tiny-sft`` is ``tiny`` warm-started on the customer-service expert's
+    demonstrations (minutes, the first time), so RL learns from it. Cleared when only ``path`` is given."""
     path: str | None = None
     """Local Hugging Face model folder (``AutoModelForCausalLM``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

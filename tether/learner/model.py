@@ -31,7 +31,7 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.02,
 )
 TINY_VOCAB_SIZE = 2048  # BPE target; the model's vocab is the tokenizer's actual size
-_BUILD_VERSION = 2  # bump when the built-in corpus or build_tiny's code changes (invalidates ensure_tiny)
+BUILD_VERSION = 2  # bump when the built-in corpus or build_tiny's code changes (invalidates cached presets)
 
 
 def load_model_and_tokenizer(path: str | os.PathLike, dtype: str = "float32") -> tuple[Any, Any]:
@@ -81,7 +81,7 @@ def ensure_tiny(cache_dir: str | os.PathLike, corpus: Iterable[str] = (), seed: 
     Safe across concurrent processes: each builds into a temporary folder and renames it into place.
     """
     corpus = list(corpus)
-    key = json.dumps([_BUILD_VERSION, CHAT_TEMPLATE, TINY_DEFAULTS, TINY_VOCAB_SIZE, seed, corpus,
+    key = json.dumps([BUILD_VERSION, CHAT_TEMPLATE, TINY_DEFAULTS, TINY_VOCAB_SIZE, seed, corpus,
                       sorted(overrides.items())], sort_keys=True, default=str)
     target = Path(cache_dir, "tiny-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if (target / "config.json").is_file():

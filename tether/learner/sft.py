@@ -1,7 +1,8 @@
 """Supervised fine-tuning on trajectories: maximise the log-likelihood of the mask-1 tokens.
 
-The warm start of the demo. Trajectories come from the agent loop (e.g. a scripted expert replayed
-through ``ScriptedEngine``), so SFT sees exactly the token layout RL will generate in.
+The warm start of ``tether sft``, the ``tiny-sft`` preset and the demo. Trajectories come from the agent
+loop (a scripted expert replayed through ``ScriptedEngine``) or are laid out as it would lay them out (JSONL
+conversations), so SFT sees exactly the token layout RL will generate in (``tether.warmstart.demos``).
 
 Two hooks keep the loop generic: ``augment(trajectory, rng)`` returns the trajectory to train on this time
 (e.g. with its ids swapped for others, token for token), and ``extra_loss(model)`` adds a term to every

@@ -3,8 +3,8 @@
 The customer-service agent must copy order ids (``O-3410``), SKUs (``SKU-136``), refund amounts
 (``226.00``) and stock levels from the conversation into its tool calls and messages. With the tiny
 tokenizer an id is five digit tokens, and copying it needs induction heads, which this budget does not
-form. So the demo gives every entity of the world's database one token (the ids are read from the DB,
-like a product catalogue) and makes those tokens easy to copy:
+form. So the tiny-sft recipe (``tiny_sft.py``) gives every entity of the world's database one token (the ids
+are read from the DB, like a product catalogue) and makes those tokens easy to copy:
 
 - **Embeddings composed from the digits, frozen.** Token ``O-3410`` is embedded as a vector shared by its
   class (orders, SKUs, amounts, stock levels) plus a fixed *code*: the sum of one random vector per
@@ -201,6 +201,6 @@ def copy_pretrain(model: Any, task: CopyTask, *, steps: int = 100, lr: float = 3
         opt.step()
         sched.step()
         if log and (step + 1) % 25 == 0:
-            log(f"copy task step {step + 1}/{steps}: nll {float(loss):.3f}")
+            log(f"copy task step {step + 1}/{steps}: nll {float(loss.detach()):.3f}")
     model.eval()
-    return float(loss)
+    return float(loss.detach())

@@ -1,4 +1,4 @@
-"""A deliberately imperfect expert for the demo's supervised warm start.
+"""A deliberately imperfect expert for the tiny-sft warm start (and ``tether sft --expert --mistake-rate``).
 
 It makes three *systematic* mistakes, each with probability ``rate`` per episode where it applies, so
 that a model imitating it learns the wrong behaviour as its most likely one (greedy decoding fails

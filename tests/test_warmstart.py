@@ -1,0 +1,154 @@
+"""Warm starts: JSONL conversations laid out as the agent loop lays out a rollout, the demonstration
+file's errors, the cache's one-build-under-a-lock, and the tiny-sft preset (a miniature recipe)."""
+
+import json
+import threading
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tether import runtime
+from tether.agent.chat import ChatAssembler
+from tether.agent.loop import LoopLimits
+from tether.config import load_config
+from tether.env.customer_service import CustomerServiceEnv, example_texts
+from tether.learner.model import build_tiny, load_model_and_tokenizer
+from tether.warmstart import tiny_sft
+from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), corpus=example_texts(100), num_hidden_layers=1,
+                      hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return load_model_and_tokenizer(path)[1]
+
+
+def openai_line(traj, env, task):
+    """The loop's conversation as a user would write it: arguments as JSON strings, the task's tools."""
+    messages = []
+    for m in traj.messages:
+        m = dict(m)
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        messages.append(m)
+    tools = [s for s in env.tool_schemas() if s["function"]["name"] in task.tools]
+    return json.dumps({"messages": messages, "tools": tools})
+
+
+def test_expert_conversations_as_jsonl_load_back_to_the_ids_of_their_replay(tokenizer, tmp_path):
+    cfg = load_config([], ["environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
+    env = CustomerServiceEnv(cfg)
+    kinds = {}
+    for t in env.tasks("train"):
+        kinds.setdefault(t.kind, t)
+    tasks = list(kinds.values())
+    # mistakes too: a refusal, a low-priority escalation and a vague stock answer are all valid conversations
+    demos = expert_demos("customer_service_agent", lambda: CustomerServiceEnv(cfg), tasks, tokenizer,
+                         limits=LoopLimits(), mistake_rate=0.5, seed=1)
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(openai_line(d, env, t) + "\n\n" for d, t in zip(demos, tasks)))
+    loaded = jsonl_demos(path, tokenizer, system_prompt=env.system_prompt(), tools=env.tool_schemas())
+    assert len(loaded) == len(demos) == 5
+    for a, b in zip(demos, loaded):
+        assert b.prompt_ids == a.prompt_ids
+        assert b.response_ids == a.response_ids and b.response_mask == a.response_mask
+        assert b.num_assistant_turns == a.num_assistant_turns and b.task_id == f"{path}:{2 * loaded.index(b) + 1}"
+    # without a system message or tools, the environment's fill in: the same prompt
+    bare = json.loads(openai_line(demos[0], env, tasks[0]))
+    bare["messages"] = bare["messages"][1:]
+    del bare["tools"]
+    path.write_text(json.dumps(bare))
+    again = jsonl_demos(path, tokenizer, system_prompt=env.system_prompt(), tools=env.tool_schemas())[0]
+    system = {"role": "system", "content": env.system_prompt()}
+    assert again.prompt_ids == ChatAssembler(tokenizer, env.tool_schemas()).prompt([system, bare["messages"][0]])
+    assert again.response_ids == demos[0].response_ids and again.response_mask == demos[0].response_mask
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [', "demos.jsonl:2: not valid JSON"),
+    ('[1, 2]', 'demos.jsonl:2: expected a JSON object with a "messages" list'),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "demos.jsonl:2: no assistant message"),
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}',
+     "demos.jsonl:2: the conversation must start with a user"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "demos.jsonl:2: messages[0]: expected an object with role"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": '
+     '[{"function": {"name": "f", "arguments": "{oops"}}]}]}',
+     "demos.jsonl:2: messages[1].tool_calls[0]: arguments is not valid JSON"),
+    ('{"messages": [], "extra": 1}', "demos.jsonl:2: unknown keys ['extra']"),
+])
+def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, message):
+    path = tmp_path / "demos.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(DemoError) as e:
+        read_conversations(path)
+    assert str(e.value).startswith(str(tmp_path)) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(DemoError, match="absent.jsonl: no such file"):
+        read_conversations(tmp_path / "absent.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DemoError, match="empty.jsonl: no conversations"):
+        read_conversations(tmp_path / "empty.jsonl")
+
+
+def test_cached_build_runs_once_while_others_wait(tmp_path):
+    calls, logs = [], []
+
+    def build(folder):
+        calls.append(folder)
+        time.sleep(0.3)  # long enough for every other thread to reach the lock
+        (folder / "config.json").write_text("{}")
+
+    target = tmp_path / "cache" / "preset-abc"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        runtime.cached_build(target, build, what="test", log=logs.append))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [str(target)] * 4 and len(calls) == 1
+    assert calls[0] != target and not calls[0].exists()  # built elsewhere, renamed into place
+    assert sum(m.startswith("built test preset in ") and m.endswith(f"cached at {target}") for m in logs) == 1
+    assert sum(m.startswith("waiting for another process") for m in logs) >= 1
+    assert sorted(p.name for p in target.parent.iterdir()) == ["preset-abc", "preset-abc.lock"]
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "preset"
+
+    def broken(folder):
+        (folder / "config.json").write_text("{}")
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        runtime.cached_build(target, broken, what="test", log=lambda m: None)
+    assert not target.exists() and [p.name for p in tmp_path.iterdir()] == ["preset.lock"]
+
+
+SMALL = tiny_sft.Recipe(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1),
+                        corpus_texts=60, copy_steps=2, copy_batch_size=4, dialogue_epochs=1, full_epochs=1,
+                        max_train_tasks=6)
+
+
+def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TETHER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny_sft, "RECIPE", SMALL)
+    cfg = load_config([], ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
+    path = runtime.model_path(cfg)
+    err = capsys.readouterr().err
+    assert "building the tiny-sft preset (one time" in err and "[tiny-sft] 6 demonstrations" in err
+    assert f"s, cached at {path}" in err and "built tiny-sft preset in " in err
+    info = json.loads((tmp_path / "cache" / path.rsplit("/", 1)[1] / "tether_warmstart.json").read_text())
+    assert info["demonstrations"] == 6 and info["recipe"]["copy_steps"] == 2
+    assert runtime.model_path(cfg) == path and "build" not in capsys.readouterr().err  # cached: no second build
+    assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 64
+    other = load_config([], ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4",
+                             "trainer.seed=1"])
+    assert tiny_sft.cache_key(other) != tiny_sft.cache_key(cfg)
+    assert tiny_sft.cache_key(cfg, SMALL) == tiny_sft.cache_key(cfg) != tiny_sft.cache_key(cfg, tiny_sft.Recipe())
