@@ -108,6 +108,70 @@ def train(
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
 
 
+@app.command()
+def sft(
+    files: Files,
+    set_: Overrides = None,
+    demos: Annotated[Path | None, typer.Option(
+        "--demos", help="JSONL file, one conversation per line (OpenAI messages with tool calls; the format is "
+                        "in tether/warmstart/demos.py).")] = None,
+    expert: Annotated[bool, typer.Option(
+        "--expert", help="Demonstrate every train task with the environment's scripted expert.")] = False,
+    mistake_rate: Annotated[float, typer.Option(
+        "--mistake-rate", help="With --expert: the fraction of episodes with its systematic mistakes.")] = 0.0,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Checkpoint folder to write (default runs/sft-<time>).")] = None,
+    epochs: Annotated[int, typer.Option("--epochs", min=1, help="Passes over the demonstrations.")] = 3,
+    lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-4,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Demonstrations per update.")] = 8,
+) -> None:
+    """Supervised warm start: fine-tune the config's model on demonstrations (the tokens the agent loop would
+    produce, mask-1 only), then write a Hugging Face checkpoint to train from (model.path)."""
+    import time
+
+    import torch
+
+    from tether.agent.loop import LoopLimits
+    from tether.learner.model import load_model_and_tokenizer
+    from tether.learner.sft import sft as fine_tune
+    from tether.runtime import env_factory, model_path
+    from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
+
+    cfg = load_or_exit(files, set_)
+    if (demos is None) == (not expert):
+        raise fail("give exactly one of --demos FILE.jsonl and --expert")
+    if not 0.0 <= mistake_rate <= 1.0 or (mistake_rate and not expert):
+        raise fail(f"--mistake-rate is a fraction in [0, 1] and goes with --expert, got {mistake_rate}")
+    out = out or Path("runs") / time.strftime("sft-%Y%m%d-%H%M%S")
+    try:
+        conversations = read_conversations(demos) if demos else None  # a bad file fails before any model loads
+        make_env, tasks = env_factory(cfg)
+        model, tokenizer = load_model_and_tokenizer(model_path(cfg), cfg.model.dtype)
+        if conversations is not None:
+            env = make_env()
+            try:  # what a conversation leaves out is filled in as the agent loop would see it
+                system, tools = env.system_prompt(), env.tool_schemas()
+            finally:
+                env.close()
+            trajs = jsonl_demos(demos, tokenizer, system_prompt=system, tools=tools, conversations=conversations)
+        else:
+            trajs = expert_demos(cfg.environment.name, make_env, tasks("train"), tokenizer,
+                                 limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window),
+                                 parser=cfg.tool_parser.name, mistake_rate=mistake_rate, seed=cfg.trainer.seed)
+            typer.echo(f"expert: {sum(t.success for t in trajs)}/{len(trajs)} train tasks solved")
+    except (DemoError, ValueError, FileNotFoundError) as e:
+        raise fail(str(e)) from None
+    tokens = sum(t.num_model_tokens for t in trajs)
+    typer.echo(f"{len(trajs)} demonstrations, {tokens} trained tokens; {epochs} epochs at lr {lr:g}")
+    torch.manual_seed(cfg.trainer.seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
+              log=typer.echo)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    typer.echo(f"wrote {out}; train from it with --set model.preset=null --set model.path={out}")
+
+
 @app.command(name="eval")
 def eval_(
     checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder, e.g. RUN/checkpoints/step_N.")],
