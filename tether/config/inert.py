@@ -82,4 +82,6 @@ def max_env_steps(cfg: RunConfig) -> int:
     ``environment.state.max_turns`` counts environment steps (one per tool call, ``respond_to_user``
     included); the agent loop runs at most ``max_parallel_calls`` calls per assistant turn and ends the
     episode after ``max_assistant_turns`` turns (``max_user_turns`` bounds only the ``respond_to_user`` steps)."""
-    return cfg.agent_loop.max_assistant_turns * cfg.agent_loop.max_parallel_calls
+    from tether.env.termination import max_env_steps as steps  # noqa: PLC0415 — env is a layer above config
+
+    return steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls)
