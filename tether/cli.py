@@ -51,6 +51,33 @@ def load_or_exit(files: list[Path], overrides: list[str] | None) -> RunConfig:
         raise fail(str(e)) from None
 
 
+def check_weights(folder: Path) -> None:
+    """Exit 2 naming the first ``*.safetensors`` file of ``folder`` whose header cannot be read (a torn or
+    corrupt checkpoint), instead of a traceback from deep inside ``from_pretrained``."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 — SafetensorError, OSError: all mean "this file is unusable"
+            raise fail(f"{path} is not a readable safetensors file ({e}); the checkpoint is corrupt or "
+                       f"incomplete") from None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Exit 2 when ``run_dir`` is a file or cannot be written (checked before anything is written)."""
+    import os
+
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise fail(f"--run-dir {run_dir}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise fail(f"--run-dir {run_dir} is not writable ({probe}: permission denied or a read-only file system)")
+
+
 @app.command()
 def config(
     files: Annotated[list[Path] | None, typer.Argument(help="YAML config files, merged in order (later wins).")] = None,
@@ -94,16 +121,24 @@ def train(
     """Train with the merged config FILES (e.g. an example config plus seed files)."""
     import time
 
+    from tether.learner.checkpoint import latest_checkpoint
+    from tether.pipeline.rollouter import RolloutError
     from tether.pipeline.trainer import train as run_training
 
     cfg = load_or_exit(files, set_)
     if resume and run_dir is None:
         raise fail("--resume needs --run-dir (the run to continue)")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    check_run_dir(run_dir)
+    for folder in (Path(cfg.model.path) if cfg.model.path else None, latest_checkpoint(run_dir) if resume else None):
+        if folder is not None:
+            check_weights(folder)
     try:
         result = run_training(cfg, run_dir, resume=resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
+    except (RolloutError, OSError) as e:  # every episode of a group failed; a disk or permission error mid-run
+        raise fail(str(e), code=1) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
 
@@ -177,7 +212,7 @@ def eval_(
     checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder, e.g. RUN/checkpoints/step_N.")],
     config_files: Annotated[list[Path], typer.Option("--config", help="Config file(s) of the run.")],
     set_: Overrides = None,
-    tasks: Annotated[int | None, typer.Option("--tasks", help="Evaluate the first N held-out tasks.")] = None,
+    tasks: Annotated[int | None, typer.Option("--tasks", min=1, help="Evaluate the first N held-out tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
 ) -> None:
     """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task)."""
@@ -192,7 +227,11 @@ def eval_(
     cfg = load_or_exit(config_files, set_)
     if not (checkpoint / "config.json").is_file():
         raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass RUN/checkpoints/step_N")
-    rt = Runtime.build(cfg, str(checkpoint))
+    check_weights(checkpoint)
+    try:
+        rt = Runtime.build(cfg, str(checkpoint))
+    except (ConfigError, OSError, ValueError) as e:  # e.g. engine.max_tokens past the model's positions
+        raise fail(str(e)) from None
     try:
         eval_tasks = rt.tasks("eval")[:tasks]
         rollouter = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
@@ -205,3 +244,7 @@ def eval_(
         Progress(0, enabled=True, console=Console()).eval_table(0, metrics, eval_tasks, trajs)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
+
+
+if __name__ == "__main__":  # python -m tether.cli
+    app()

@@ -6,19 +6,33 @@ same blocks and, when there are none, an OpenAI-style function call written as b
 (``{"name": ..., "arguments": ...}``, ``"parameters"`` accepted for ``"arguments"``).
 
 A malformed call is never an exception: it is returned as a ``ParseError`` that the agent loop turns into
-an error observation for the model.
+an error observation for the model. The model's text is untrusted, so a call is also refused (a
+``ParseError`` saying why) when it exceeds ``tether.env.tools.LIMITS``: more than 65 536 characters of JSON,
+arguments nested deeper than 32 levels, a number literal longer than 100 characters, NaN/Infinity, a
+string with a lone surrogate or a NUL character, or a tool name longer than 128 characters. Python's own
+limits sit far above these and fail with exceptions (``json`` recursion at ~1000 levels, ``int()`` at 4300
+digits). At most ``MAX_CALLS_PER_TURN`` blocks are read from one turn; the rest become one error. Every
+registered parser runs behind a guard: lone surrogates in the text (which a remote engine's JSON escapes
+can produce) are replaced by U+FFFD, and a parser that raises returns its failure as a ``ParseError``.
+
+Blocks are found with ``str.find`` in one left-to-right pass: the regular expressions this replaced took
+quadratic time on texts with many unclosed ``<tool_call>`` or ``` fences (80 s for 220 k characters).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_UNCLOSED = re.compile(r"<tool_call>(?!.*</tool_call>)(.*)$", re.DOTALL)
-_FENCED = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
+from tether.env.tools import LIMITS, argument_problem, loads_arguments, text_problem
+
+log = logging.getLogger(__name__)
+
+MAX_CALLS_PER_TURN = 32  # tool-call blocks parsed from one assistant turn (the loop runs max_parallel_calls)
+_OPEN, _CLOSE, _FENCE = "<tool_call>", "</tool_call>", "```"
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass
@@ -45,11 +59,26 @@ ToolParser = Callable[[str], ParsedTurn]
 _PARSERS: dict[str, ToolParser] = {}
 
 
+def _guarded(name: str, fn: ToolParser) -> ToolParser:
+    def parse(text: str) -> ParsedTurn:
+        text = _LONE_SURROGATE.sub("\ufffd", text)  # cannot be encoded: the tokenizer would raise on it
+        try:
+            return fn(text)
+        except Exception as e:  # noqa: BLE001 — a parser bug: recorded on the trajectory, seen by the model
+            log.warning("tool parser %r failed on a %d-character turn", name, len(text), exc_info=True)
+            return ParsedTurn(content="", errors=[ParseError(text[:200], f"the {name} parser failed: "
+                                                                         f"{type(e).__name__}")])
+
+    return parse
+
+
 def register_parser(name: str) -> Callable[[ToolParser], ToolParser]:
+    """Register ``fn`` under ``name``; ``get_parser`` returns it behind the guard described above."""
+
     def deco(fn: ToolParser) -> ToolParser:
         if name in _PARSERS:
             raise ValueError(f"tool parser {name!r} is already registered")
-        _PARSERS[name] = fn
+        _PARSERS[name] = _guarded(name, fn)
         return fn
 
     return deco
@@ -63,23 +92,29 @@ def get_parser(name: str) -> ToolParser:
 
 
 def _call_from_json(raw: str) -> ToolCall | ParseError:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ParseError(raw, f"invalid JSON ({e.msg} at char {e.pos})")
+    obj, problem = loads_arguments(raw, depth=LIMITS.max_depth + 1)  # + the call object around the arguments
+    if problem:
+        return ParseError(raw, problem)
     if not isinstance(obj, dict):
         return ParseError(raw, "a tool call must be a JSON object with 'name' and 'arguments'")
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ParseError(raw, "missing string field 'name'")
+    if len(name) > LIMITS.max_name_chars:
+        return ParseError(raw, f"a tool name is at most {LIMITS.max_name_chars} characters")
+    problem = text_problem(name, "the tool name")
+    if problem:
+        return ParseError(raw, problem)
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models emit arguments as a JSON string (OpenAI wire format)
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return ParseError(raw, f"'arguments' is a string that is not valid JSON ({e.msg})")
+        args, problem = loads_arguments(args) if args.strip() else ({}, None)
+        if problem:
+            return ParseError(raw, f"'arguments' is a string that is not valid JSON ({problem})")
     if not isinstance(args, dict):
         return ParseError(raw, "'arguments' must be a JSON object")
+    problem = argument_problem(args)
+    if problem:
+        return ParseError(raw, problem)
     return ToolCall(name=name, arguments=args)
 
 
@@ -94,15 +129,52 @@ def _collect(parsed: list[ToolCall | ParseError], content: str) -> ParsedTurn:
     return turn
 
 
+def _parse_blocks(blocks: list[str]) -> list[ToolCall | ParseError]:
+    parsed: list[ToolCall | ParseError] = [_call_from_json(b.strip()) for b in blocks[:MAX_CALLS_PER_TURN]]
+    if len(blocks) > MAX_CALLS_PER_TURN:
+        extra = len(blocks) - MAX_CALLS_PER_TURN
+        parsed.append(ParseError("", f"{extra} more tool calls were ignored (at most {MAX_CALLS_PER_TURN} per turn)"))
+    return parsed
+
+
 @register_parser("hermes")
 def parse_hermes(text: str) -> ParsedTurn:
-    parsed: list[ToolCall | ParseError] = [_call_from_json(m.strip()) for m in _TOOL_CALL.findall(text)]
-    content = _TOOL_CALL.sub("", text)
-    unclosed = _UNCLOSED.search(content)
-    if unclosed:  # generation stopped (max_tokens) inside a call
-        parsed.append(ParseError(unclosed.group(0), "unterminated <tool_call> block"))
-        content = content[: unclosed.start()]
-    return _collect(parsed, content)
+    blocks, kept, pos = [], [], 0
+    unclosed = None
+    while (start := text.find(_OPEN, pos)) >= 0:
+        kept.append(text[pos:start])
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:  # generation stopped (max_tokens) inside a call
+            unclosed, pos = text[start:], len(text)
+            break
+        blocks.append(text[start + len(_OPEN):end])
+        pos = end + len(_CLOSE)
+    kept.append(text[pos:])
+    parsed = _parse_blocks(blocks)
+    if unclosed is not None:
+        parsed.append(ParseError(unclosed, "unterminated <tool_call> block"))
+    return _collect(parsed, "".join(kept))
+
+
+def _fenced_objects(text: str) -> tuple[list[str], str]:
+    """The ``` fenced JSON objects of ``text`` (an optional ``json`` tag after the fence) and the text
+    without them."""
+    found, kept, pos = [], [], 0
+    while (start := text.find(_FENCE, pos)) >= 0:
+        end = text.find(_FENCE, start + len(_FENCE))
+        if end < 0:
+            break
+        body = text[start + len(_FENCE):end].strip()
+        body = body[4:].lstrip() if body.startswith("json") else body
+        if body.startswith("{") and body.endswith("}"):
+            found.append(body)
+            kept.append(text[pos:start])
+            pos = end + len(_FENCE)
+        else:  # not an object: its closing fence may open the next block
+            kept.append(text[pos:end])
+            pos = end
+    kept.append(text[pos:])
+    return found, "".join(kept)
 
 
 @register_parser("function_call_parser")
@@ -111,11 +183,9 @@ def parse_function_call(text: str) -> ParsedTurn:
     if turn.calls or turn.errors:
         return turn
     stripped = text.strip()
-    candidates = [m.group(1) for m in _FENCED.finditer(stripped)]
-    if not candidates and stripped.startswith("{") and stripped.endswith("}"):
-        candidates = [stripped]
-    parsed = [_call_from_json(c) for c in candidates]
-    content = _FENCED.sub("", stripped) if candidates and candidates[0] != stripped else ""
+    candidates, content = _fenced_objects(stripped)
     if not candidates:
         content = stripped
-    return _collect(parsed, content)
+        if stripped.startswith("{") and stripped.endswith("}"):
+            candidates, content = [stripped], ""
+    return _collect(_parse_blocks(candidates), content)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,8 @@ import annotated_types as at
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tether.config import ConfigError, CrossFieldError, RunConfig
+from tether.config import ConfigError, CrossFieldError, RunConfig, Secret
+from tether.config.base import _SECRET_NAME
 from tether.config.support import refusals
 
 Key = tuple[Any, ...]  # a key path, e.g. ("rollout", "scheduler", "max_staleness")
@@ -34,6 +36,7 @@ def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[st
     whose feature is not built yet (``tether.config.support.UNSUPPORTED``) is refused the same way."""
     data, origins = merged(paths, overrides)
     lines = refusals(data, origins)  # keys whose feature is not built (tether.config.support)
+    lines += bools_as_numbers(data, origins)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
@@ -93,12 +96,37 @@ def parse_override(text: str) -> tuple[Key, Any]:
     key, sep, raw = text.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
     if not sep or not all(parts):
-        raise ConfigError(f"--set {text!r}: expected key.path=value, e.g. --set learner.batch_size=32")
+        secretish = re.search(r"key|token|secret|password", text, re.IGNORECASE)  # no '=': cannot tell key from value
+        shown = repr(text) if not secretish else "(not shown: it may hold a secret)"
+        raise ConfigError(f"--set {shown}: expected key.path=value, e.g. --set learner.batch_size=32")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
+        if is_secret(parts):  # the YAML error quotes the value: say only where to look
+            raise ConfigError(f"--set {key.strip()}=…: the value is not valid YAML (not shown: the key looks "
+                              f"secret); quote it, e.g. --set '{key.strip()}=\"...\"'") from None
         raise ConfigError(f"--set {text!r}: the value is not valid YAML: {e}") from None
     return parts, value
+
+
+def is_secret(key: Key) -> bool:
+    """A key whose value must never be echoed: declared ``Secret``, or named like one (``*_key``, ``*token*``,
+    ``*secret*``, ``password``) unless declared a number or a bool (``engine.max_tokens``)."""
+    tp, _ = _type_at(key)
+    if tp is Secret:
+        return True
+    return tp not in (int, float, bool) and bool(key) and bool(_SECRET_NAME.search(str(key[-1])))
+
+
+def bools_as_numbers(data: Any, origins: Origins, key: Key = ()) -> list[str]:
+    """``true``/``false`` given for an integer or number key: pydantic's lax mode would take it as 1/0."""
+    if isinstance(data, dict):
+        return [line for k, v in data.items() for line in bools_as_numbers(v, origins, (*key, k))]
+    if isinstance(data, list):
+        return [line for i, v in enumerate(data) for line in bools_as_numbers(v, origins, (*key, i))]
+    if isinstance(data, bool) and _type_at(key)[0] in (int, float):
+        return [f"`{_dotted(key)}` = {data} in {_where(key, origins)}: {_expected(key, None)}"]
+    return []
 
 
 def merge(base: dict, update: dict, source: str, origins: Origins, prefix: Key = ()) -> None:
@@ -175,7 +203,7 @@ def describe_error(err: Any, origins: Origins) -> str:
     if kind == "missing":
         return f"`{path}` is required ({where}): {_expected(loc, 'a value')}"
 
-    value = _short(err.get("input"))
+    value = _short(err.get("input")) if not is_secret(loc) else "(not shown: a secret)"
     if is_key:
         return f"unknown key `{path}` in {where}; allowed: {ctx.get('expected', err['msg'])}"
     if kind == "literal_error":

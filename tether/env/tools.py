@@ -14,6 +14,12 @@ concurrent episodes can be dominated by waiting without blocking the event loop,
 exceeds its timeout never runs (its side effects do not happen). A sync function runs inline (it must be
 fast); mark a slow, blocking one ``blocking=True`` to run it in a worker thread, where the timeout still
 answers on time but the thread finishes in the background.
+
+Arguments are untrusted model output. ``ArgumentLimits`` bounds what any call may carry (nesting depth, size,
+number length, characters that cannot be encoded); ``argument_problem`` checks a value against them without
+recursion, so that no argument — however deep, big or strange — can raise inside the environment. The
+parser applies the same limits to the model's text (``tether.agent.parsers``) and ``parse_action`` applies
+them again at the environment's door, for callers that build actions themselves.
 """
 
 from __future__ import annotations
@@ -23,9 +29,149 @@ import inspect
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class ArgumentLimits:
+    """What one tool call may carry. Python's own limits are far above these and fail with an exception
+    (``json`` and ``dataclasses.asdict`` recurse ~1000 / ~500 levels; ``int()`` refuses 4300 digits);
+    these fail with a message the model can act on."""
+
+    max_depth: int = 32  # nesting of objects/arrays inside the arguments (the arguments object is level 1)
+    max_chars: int = 65_536  # characters of one call's JSON text, and of the arguments' strings and keys
+    max_number_chars: int = 100  # characters of one number literal (digits, sign, exponent)
+    max_name_chars: int = 128  # characters of a tool name
+
+
+LIMITS = ArgumentLimits()
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Why ``text`` cannot be passed on (a lone surrogate cannot be encoded; NUL truncates C strings)."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        return f"{what} contains an invalid Unicode character (lone surrogate U+{ord(bad.group()):04X})"
+    if "\x00" in text:
+        return f"{what} contains a NUL character (\\u0000)"
+    return None
+
+
+def argument_problem(value: Any, limits: ArgumentLimits = LIMITS) -> str | None:
+    """Why ``value`` (a call's arguments) exceeds ``limits`` or is not plain JSON, or None. Iterative:
+    a deep or cyclic value ends the walk at ``max_depth`` rather than blowing the stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    size = 0
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limits.max_depth:
+                return f"arguments are nested deeper than {limits.max_depth} levels"
+            size += len(item)
+            if size > limits.max_chars:
+                return f"arguments are larger than {limits.max_chars} characters"
+            if isinstance(item, dict):
+                for k, v in item.items():
+                    if not isinstance(k, str):
+                        return f"argument names must be strings, got {type(k).__name__}"
+                    size += len(k)
+                    problem = text_problem(k, "an argument name")
+                    if problem:
+                        return problem
+                    stack.append((v, depth + 1))
+            else:
+                stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, str):
+            size += len(item)
+            problem = text_problem(item, "an argument")
+            if problem:
+                return problem
+        elif isinstance(item, bool) or item is None:
+            size += 1
+        elif isinstance(item, int):  # bit_length: never convert a huge int to text (4300-digit limit)
+            if item.bit_length() > 3.33 * limits.max_number_chars:
+                return f"a number in the arguments has more than {limits.max_number_chars} digits"
+            size += 1
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "numbers in the arguments must be finite (no NaN or Infinity)"
+            size += 1
+        else:
+            return f"arguments must be JSON values, got {type(item).__name__}"
+        if size > limits.max_chars:
+            return f"arguments are larger than {limits.max_chars} characters"
+    return None
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
+
+
+def json_depth(text: str, stop_above: int | None = None) -> int:
+    """The deepest ``[``/``{`` nesting of JSON ``text`` (brackets inside strings do not count), in one
+    linear pass and without parsing — so that too-deep text is refused before ``json`` recurses into it."""
+    depth = deepest = 0
+    in_string, skip_to = False, -1
+    for m in _JSON_SPECIAL.finditer(text):
+        i, c = m.start(), m.group()
+        if i < skip_to:
+            continue
+        if in_string:
+            if c == "\\":
+                skip_to = i + 2  # the escaped character, whatever it is
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if stop_above is not None and deepest > stop_above:
+                break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+class _Refused(ValueError):
+    pass
+
+
+def loads_arguments(text: str, limits: ArgumentLimits = LIMITS, *, depth: int | None = None) -> tuple[Any, str | None]:
+    """``json.loads`` for untrusted text under ``limits``: ``(value, None)`` or ``(None, why)``; never
+    raises. ``depth`` is the nesting allowed for the whole text (default ``limits.max_depth``; a call
+    object wrapping its arguments needs one more)."""
+    if len(text) > limits.max_chars:
+        return None, f"{len(text)} characters of JSON; a call may have at most {limits.max_chars}"
+    allowed = limits.max_depth if depth is None else depth
+    if json_depth(text, stop_above=allowed) > allowed:
+        return None, f"JSON nested deeper than {limits.max_depth} levels"
+
+    def number(kind: type) -> Callable[[str], Any]:
+        def parse(literal: str) -> Any:
+            if len(literal) > limits.max_number_chars:
+                raise _Refused(f"a number longer than {limits.max_number_chars} characters")
+            return kind(literal)
+        return parse
+
+    def constant(name: str) -> Any:
+        raise _Refused(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_int=number(int), parse_float=number(float), parse_constant=constant), None
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at char {e.pos})"
+    except _Refused as e:
+        return None, str(e)
+    except (ValueError, RecursionError) as e:  # not expected within the limits above; still never raised
+        return None, f"invalid JSON ({type(e).__name__})"
 
 
 class ToolError(Exception):
@@ -39,7 +185,12 @@ def to_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+MAX_ERROR_CHARS = 500  # an error shown to the model; messages that echo an argument are clipped to it
+
+
 def error_text(message: str) -> str:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 3] + "..."
     return json.dumps({"error": message}, ensure_ascii=False)
 
 
@@ -113,7 +264,8 @@ class Tool:
         if missing:
             problems.append(f"missing {', '.join(missing)}")
         if extra:
-            problems.append(f"unexpected {', '.join(map(str, extra))}")
+            shown = [_clip(str(k), 40) for k in extra[:5]] + ([f"{len(extra) - 5} more"] if len(extra) > 5 else [])
+            problems.append(f"unexpected {', '.join(shown)}")
         if problems:
             return f"{self.name} takes ({', '.join(names)}): {'; '.join(problems)}"
         for p in self.params:
@@ -194,20 +346,33 @@ class ToolBox:
     async def call(self, name: Any, params: Any, rng: random.Random | None = None) -> ToolResult:
         tool = self._by_name.get(name) if isinstance(name, str) else None
         if tool is None:
-            msg = f"unknown tool {name!r}; available: {', '.join(self._by_name)}"
-            return ToolResult(str(name), params, error_text(msg), True)
+            shown = repr(_clip(name, LIMITS.max_name_chars)) if isinstance(name, str) else f"<{type(name).__name__}>"
+            msg = f"unknown tool {shown}; available: {', '.join(self._by_name)}"
+            return ToolResult(name if isinstance(name, str) else shown, params, error_text(msg), True)
         return await run_tool(tool, params, rng)
 
 
-def parse_action(action: Any) -> tuple[Any, Any, str | None]:
+def parse_action(action: Any, limits: ArgumentLimits = LIMITS) -> tuple[Any, Any, str | None]:
     """``(name, params, error)`` of an action ``{"name", "params"}``; ``arguments`` (OpenAI) and a JSON
-    string of params are accepted too. ``error`` is a message when the action itself is malformed."""
+    string of params are accepted too. ``error`` is a message when the action itself is malformed; then
+    ``name`` and ``params`` are safe to record (a name or params beyond ``limits`` are replaced by a short
+    placeholder, so that nothing downstream — memory, anti-hacking, the verifier — has to handle them)."""
     if not isinstance(action, Mapping) or "name" not in action:
         return None, None, 'an action is {"name": tool, "params": {...}}'
+    name = action["name"]
+    if not isinstance(name, str):
+        return f"<{type(name).__name__}>", None, f"a tool name must be a string, got {type(name).__name__}"
+    if len(name) > limits.max_name_chars:
+        return name[: limits.max_name_chars] + "...", None, f"a tool name is at most {limits.max_name_chars} characters"
+    problem = text_problem(name, "the tool name")
+    if problem:
+        return _SURROGATE.sub("\ufffd", name).replace("\x00", "\ufffd"), None, problem
     params = action.get("params", action.get("arguments", {}))
     if isinstance(params, str):
-        try:
-            params = json.loads(params) if params.strip() else {}
-        except json.JSONDecodeError as e:
-            return action["name"], params, f"arguments are not valid JSON: {e.msg}"
-    return action["name"], params, None
+        params, problem = loads_arguments(params, limits) if params.strip() else ({}, None)
+        if problem:
+            return name, None, f"arguments are not valid JSON: {problem}"
+    problem = argument_problem(params, limits)
+    if problem:
+        return name, None, problem
+    return name, params, None

@@ -9,7 +9,7 @@ from tether.types import Task, Trajectory
 
 
 async def evaluate(rollouter: Rollouter, tasks: list[Task], seed: int = 0) -> tuple[dict[str, float], list[Trajectory]]:
-    groups = await rollouter.groups(tasks, 1, seed)
+    groups = await rollouter.groups(tasks, 1, seed, keep_failed=True)  # a failed episode counts as not solved
     trajs = [g.trajectories[0] for g in groups]
     return eval_metrics(tasks, trajs), trajs
 

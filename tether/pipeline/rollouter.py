@@ -6,19 +6,32 @@ Every trajectory gets its own environment instance (its own database copy) and a
 ``num_workers`` bounds how many of them execute an environment step (tool calls, user simulator, verifier)
 at once (``rollout.worker.num_workers``): the others wait for a free worker, as episodes would for a pool
 of sandboxes. Generation is not counted against workers: the engine batches it.
+
+**Failed episodes.** What the model writes never fails an episode (the parser and the tools turn it into error
+observations). An exception from the environment, the verifier, the engine or the loop itself, or a timeout,
+does: the episode is retried ``retries`` times with a fresh environment, then given up, logged and counted
+once as ``rollout/episode_failures/<cause>`` (``timeout``, ``env``, ``verifier``, ``engine``, ``agent_loop``).
+A group keeps the episodes that finished (a failed one has no reward to compare with: it is not trained on
+as a zero), so one broken episode never stops the run. Only when *every* episode of a ``group`` (or of a
+``groups`` call) failed is ``RolloutError`` raised: then the failure is systematic, not the episode's.
+Evaluation asks for ``keep_failed``: a failed episode stays in its place as an unsuccessful trajectory whose
+``termination`` is ``failed:<cause>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Callable
+import logging
+from typing import Any, Callable
 
 from tether.agent.loop import AgentLoopBase
 from tether.env.base import Env
 from tether.metrics import record_metric
 from tether.pipeline.staleness import mask_older_segments
 from tether.types import Group, Task, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def episode_seed(seed: int, task_id: str, index: int) -> int:
@@ -44,22 +57,77 @@ class WorkerPool:
         return self._sems[loop]
 
 
-class PooledEnv:
-    """An environment whose ``astep`` runs on a worker of the pool; everything else is the env's own."""
+class EpisodeFailure(RuntimeError):
+    """An exception from the environment (or the verifier it runs), tagged with where it happened."""
 
-    def __init__(self, env: Env, pool: WorkerPool):
+    def __init__(self, cause: str, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.cause = cause
+
+
+class EpisodeEnv:
+    """One episode's environment as the agent loop sees it: ``astep`` runs on a worker of the pool (when
+    there is one), and every exception the env raises comes out as an ``EpisodeFailure`` naming its cause
+    (``finalize`` scores the episode: ``verifier``; anything else: ``env``)."""
+
+    def __init__(self, env: Env, pool: WorkerPool | None = None):
         self._env, self._pool = env, pool
 
     async def astep(self, action):
-        async with self._pool.slot():
-            return await self._env.astep(action)
+        try:
+            if self._pool is None:
+                return await self._env.astep(action)
+            async with self._pool.slot():
+                return await self._env.astep(action)
+        except Exception as e:
+            raise EpisodeFailure("env", e) from e
 
-    def __getattr__(self, name: str):
-        return getattr(self._env, name)
+    def finalize(self, termination: str):
+        try:
+            return self._env.finalize(termination)
+        except Exception as e:
+            raise EpisodeFailure("verifier", e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._env, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except Exception as e:
+                raise EpisodeFailure("env", e) from e
+
+        return call
+
+
+PooledEnv = EpisodeEnv  # its earlier name
+
+
+def failure_cause(error: BaseException) -> str:
+    """``EpisodeFailure``'s cause; otherwise ``engine`` when raised inside ``tether.engine``, else ``agent_loop``."""
+    if isinstance(error, EpisodeFailure):
+        return error.cause
+    tb, module = error.__traceback__, ""
+    while tb is not None:  # the innermost tether frame is where it was raised
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        module = name if name.startswith("tether.") else module
+        tb = tb.tb_next
+    return "engine" if module.startswith("tether.engine") else "agent_loop"
 
 
 class RolloutError(RuntimeError):
-    """An episode failed on every attempt (timeout or exception)."""
+    """An episode failed on every attempt (``cause``: why the last one did), or every episode of a group did."""
+
+    def __init__(self, message: str, cause: str = "agent_loop"):
+        super().__init__(message)
+        self.cause = cause
+
+
+def failed_trajectory(task: Task, error: RolloutError) -> Trajectory:
+    """The place of a failed episode in an evaluation: unsuccessful, no tokens, the reason in ``errors``."""
+    return Trajectory(task_id=task.id, prompt_ids=[], termination=f"failed:{error.cause}", errors=[str(error)])
 
 
 class Rollouter:
@@ -77,14 +145,18 @@ class Rollouter:
         self.workers = WorkerPool(num_workers) if num_workers else None  # None = no bound
 
     async def rollout(self, task: Task, seed: int) -> Trajectory:
-        """One episode; a timeout or an exception is retried ``retries`` times, then raised as RolloutError.
-        A retry uses a derived seed: it is a new attempt, not a replay of the one that failed."""
+        """One episode; a timeout or an exception is retried ``retries`` times, then raised as RolloutError
+        (counted by cause, see the module docstring). A retry uses a derived seed: it is a new attempt, not
+        a replay of the one that failed."""
         reasons: list[str] = []
+        cause = "agent_loop"
         for attempt in range(self.retries + 1):
-            env = self.make_env()
-            if self.workers is not None:
-                env = PooledEnv(env, self.workers)
+            env = None
             try:
+                try:
+                    env = EpisodeEnv(self.make_env(), self.workers)
+                except Exception as e:
+                    raise EpisodeFailure("env", e) from e
                 run = self.agent_loop.run(task, env, seed=seed if attempt == 0 else episode_seed(seed, "retry", attempt))
                 traj = await asyncio.wait_for(run, self.timeout_s)
                 if self.reuse_policy == "on_policy_segment_only":
@@ -92,32 +164,75 @@ class Rollouter:
                 return traj
             except asyncio.TimeoutError:
                 reasons.append(f"timed out after {self.timeout_s} s")
+                cause = "timeout"
                 record_metric("rollout/episode_timeouts", 1, "sum")
-            except Exception as e:  # noqa: BLE001 — recorded, retried, and re-raised below with every reason
-                reasons.append(f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 — recorded, retried, and counted and raised below
+                cause = failure_cause(e)
+                reasons.append(f"{cause}: {e}" if isinstance(e, EpisodeFailure) else f"{type(e).__name__}: {e}")
                 record_metric("rollout/episode_errors", 1, "sum")
             finally:
-                env.close()
-        raise RolloutError(f"task {task.id}: all {self.retries + 1} attempts failed: {'; '.join(reasons)}")
+                if env is not None:
+                    self._close(env)
+        record_metric(f"rollout/episode_failures/{cause}", 1, "sum")
+        message = f"task {task.id}: all {self.retries + 1} attempts failed: {'; '.join(reasons)}"
+        log.warning("episode failed (%s), the run goes on: %s", cause, message)
+        raise RolloutError(message, cause)
+
+    @staticmethod
+    def _close(env: Env) -> None:
+        try:
+            env.close()
+        except Exception as e:  # noqa: BLE001 — the episode's result stands; the leak is counted and logged
+            record_metric("rollout/env_close_errors", 1, "sum")
+            log.warning("closing an episode's environment failed: %s", e)
+
+    async def _attempt(self, task: Task, seed: int) -> Trajectory | RolloutError:
+        try:
+            return await self.rollout(task, seed)
+        except RolloutError as e:
+            return e
 
     async def group(self, task: Task, group_size: int, seed: int) -> Group:
-        """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work)."""
-        trajs = await asyncio.gather(*(self.rollout(task, episode_seed(seed, task.id, i)) for i in range(group_size)))
-        return Group(task.id, list(trajs))
+        """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work); the
+        episodes that failed are left out, and RolloutError is raised only when all of them failed."""
+        results = await asyncio.gather(*(self._attempt(task, episode_seed(seed, task.id, i)) for i in range(group_size)))
+        return Group(task.id, _survivors(task, results))
 
-    async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int) -> list[Group]:
+    async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int, *,
+                     keep_failed: bool = False) -> list[Group]:
         """``group_size`` rollouts of each task (one size for all, or one per task), all in flight together
-        (bounded by max_concurrent)."""
+        (bounded by max_concurrent). Failed episodes are left out, and a task none of whose episodes finished
+        is left out of the list — or, with ``keep_failed`` (evaluation), each failed episode is a
+        ``failed_trajectory`` in its place. RolloutError only when every episode failed."""
         sizes = group_size if isinstance(group_size, list) else [group_size] * len(tasks)
         sem = asyncio.Semaphore(self.max_concurrent)
 
-        async def one(task: Task, i: int) -> Trajectory:
+        async def one(task: Task, i: int) -> Trajectory | RolloutError:
             async with sem:
-                return await self.rollout(task, episode_seed(seed, task.id, i))
+                return await self._attempt(task, episode_seed(seed, task.id, i))
 
-        trajs = await asyncio.gather(*(one(t, i) for t, n in zip(tasks, sizes) for i in range(n)))
+        results = await asyncio.gather(*(one(t, i) for t, n in zip(tasks, sizes) for i in range(n)))
+        if results and all(isinstance(r, RolloutError) for r in results):
+            raise RolloutError(f"every episode of {len(tasks)} tasks failed; the first: {results[0]}", results[0].cause)
         starts = [sum(sizes[:k]) for k in range(len(tasks) + 1)]
-        return [Group(t.id, list(trajs[starts[k]:starts[k + 1]])) for k, t in enumerate(tasks)]
+        out = []
+        for k, task in enumerate(tasks):
+            mine = results[starts[k]:starts[k + 1]]
+            if keep_failed:
+                out.append(Group(task.id, [failed_trajectory(task, r) if isinstance(r, RolloutError) else r
+                                           for r in mine]))
+            elif any(isinstance(r, Trajectory) for r in mine):
+                out.append(Group(task.id, _survivors(task, mine)))
+        return out
+
+
+def _survivors(task: Task, results: list[Trajectory | RolloutError]) -> list[Trajectory]:
+    kept = [r for r in results if isinstance(r, Trajectory)]
+    if results and not kept:
+        first = results[0]
+        raise RolloutError(f"task {task.id}: all {len(results)} episodes of the group failed; the first: {first}",
+                           first.cause)
+    return kept
 
 
 def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float | None,
