@@ -133,9 +133,13 @@ def test_wandb_offline_run_holds_the_metrics_and_no_secret(tmp_path, monkeypatch
     finally:
         set_recorder(prev)
         rec.close()
+    import wandb
+
+    wandb.teardown()  # finish() can return before wandb-core's writer has flushed the run file; this waits for it
     (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
     records = read_wandb_records(wandb_file)
-    history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                     for i in r.history.item})
                for r in records if r.WhichOneof("record_type") == "history"]
     assert [(step, row["reward/mean"]) for step, row in history] == [(0, 0.25), (1, 0.75)]
     assert math.isnan(history[0][1]["optim/loss"])

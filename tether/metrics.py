@@ -60,10 +60,13 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: str | Path):
+    """``purge_step``: on resume, the events a killed run wrote at or after this step are discarded by
+    TensorBoard, so a resumed run shows every step once."""
+
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(log_dir))
+        self._w = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
@@ -75,7 +78,10 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run; ``write`` logs a flushed step at ``step`` (W&B drops a step lower than one already logged)."""
+    """One W&B run; ``write`` logs a flushed step at ``step`` (W&B drops a step lower than one already logged).
+
+    ``close`` finishes the run; wandb-core may still be writing its local file then — it is complete when the
+    process exits or after ``wandb.teardown()``."""
 
     def __init__(self, project: str | None, config: dict[str, Any] | None = None, *,
                  run_dir: str | Path | None = None, name: str | None = None):
@@ -98,13 +104,15 @@ class WandbSink:
         self._run.finish()
 
 
-def make_sinks(cfg: RunConfig, run_dir: str | Path) -> list[Sink]:
-    """The sinks the config's ``metrics`` section asks for, writing under ``run_dir`` (module docstring)."""
+def make_sinks(cfg: RunConfig, run_dir: str | Path, *, resume_step: int | None = None) -> list[Sink]:
+    """The sinks the config's ``metrics`` section asks for, writing under ``run_dir`` (module docstring);
+    ``resume_step``: the checkpoint a resumed run continues from (later TensorBoard events are purged)."""
     run_dir = Path(run_dir)
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
     try:
         if cfg.metrics.tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            purge = resume_step + 1 if resume_step is not None else None
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", purge_step=purge))
         if cfg.metrics.wandb:
             sinks.append(WandbSink(cfg.metrics.wandb_project or "tether", cfg.redacted_dict(), run_dir=run_dir,
                                    name=run_dir.resolve().name))
