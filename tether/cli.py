@@ -117,11 +117,19 @@ def train(
     set_: Overrides = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where the run writes (default runs/<time>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in --run-dir.")] = False,
+    allow_config_change: Annotated[list[str] | None, typer.Option(
+        "--allow-config-change", help="With --resume: a key (or a prefix ending in '.') whose value may differ from "
+                                      "the recorded config.yaml; repeat for several.")] = None,
 ) -> None:
-    """Train with the merged config FILES (e.g. an example config plus seed files)."""
+    """Train with the merged config FILES (e.g. an example config plus seed files).
+
+    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 130 / 143 stopped by SIGINT /
+    SIGTERM after saving a checkpoint (resume with --resume)."""
+    import re
     import time
 
     from tether.learner.checkpoint import latest_checkpoint
+    from tether.pipeline.preemption import Preempted
     from tether.pipeline.rollouter import RolloutError
     from tether.pipeline.trainer import train as run_training
 
@@ -134,7 +142,14 @@ def train(
         if folder is not None:
             check_weights(folder)
     try:
-        result = run_training(cfg, run_dir, resume=resume)
+        result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
+    except Preempted as e:
+        shown = [o if not re.search(r"key|token|secret|password", o.partition("=")[0], re.I)
+                 else o.partition("=")[0] + "=…" for o in set_ or ()]  # a secret's value is never echoed
+        again = " ".join(["tether train", *map(str, files), *(f"--set {o}" for o in shown),
+                          f"--run-dir {run_dir}", "--resume"])
+        Console(stderr=True, soft_wrap=True).print(f"{escape(str(e))}\nresume with: {escape(again)}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     except (RolloutError, OSError) as e:  # every episode of a group failed; a disk or permission error mid-run

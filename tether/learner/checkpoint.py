@@ -60,6 +60,7 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
             "format": _FORMAT,
             "version": learner.version,
             "kl_coef": float(learner.kl_coef),
+            "kl_guard_stops": int(learner.kl_guard_stops),  # cumulative counters continue across a resume
             "optimizer": learner.optimizer.state_dict(),
             "rng": _rng_state(),
             "extra": extra,
@@ -84,6 +85,7 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.version = int(state["version"])
     learner.kl_coef = float(state["kl_coef"])
+    learner.kl_guard_stops = int(state.get("kl_guard_stops", 0))
     _set_rng_state(state["rng"])
     return state["extra"]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ import torch
 from tether.config import RunConfig
 from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from tether.learner.learner import Learner
-from tether.metrics import JsonlSink, MetricsRecorder, TensorBoardSink, WandbSink, record_metric, set_recorder
+from tether.metrics import MetricsRecorder, make_sinks, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress
@@ -49,20 +51,82 @@ class TaskSampler:
         return out
 
 
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop the rows an interrupted run wrote after its last checkpoint."""
-    if path.exists():
-        rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= last_step]
-        path.write_text("".join(r + "\n" for r in rows))
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked (the message says why and what to do)."""
 
 
-def make_sinks(cfg: RunConfig, run_dir: Path) -> list[Any]:
-    sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
-    if cfg.metrics.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-    if cfg.metrics.wandb:
-        sinks.append(WandbSink(cfg.metrics.wandb_project or "tether", cfg.redacted_dict()))
-    return sinks
+def _truncate_jsonl(path: Path, last_step: int) -> list[str]:
+    """Drop the rows an interrupted run wrote after its last checkpoint, and a torn last line (a write cut
+    short by a kill or a full disk); returns what was dropped, in words. A damaged line elsewhere is an error."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept, notes = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if n == len(lines):
+                notes.append(f"{path}: dropped a torn last line ({len(line)} characters) left by the interruption")
+                continue
+            raise RunDirError(f"{path}, line {n}: not a JSON row with a step ({line[:80]!r}); fix or remove the "
+                              "line, then --resume again") from None
+        if step <= last_step:
+            kept.append(line)
+    if len(kept) < len(lines):
+        path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
+    return notes
+
+
+# Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
+RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.eval_tasks",
+                     "metrics.")
+
+
+def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def config_changes(recorded: dict, new: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The keys whose value differs between a run's recorded config and ``new``, except those in
+    ``RESUMABLE_CHANGES`` or ``allowed`` (a key, or a prefix ending in "."), as "key: old → new"."""
+    old, now = _leaves(recorded), _leaves(new)
+    ok = RESUMABLE_CHANGES + tuple(allowed)
+    return [f"{k}: {old.get(k)!r} → {now.get(k)!r}" for k in sorted(set(old) | set(now))
+            if old.get(k) != now.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in ok)]
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, allow_config_change: tuple[str, ...]) -> Path | None:
+    """Validate the run directory before anything is written; returns the checkpoint to resume from."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
+    if not resume:
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            raise RunDirError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a "
+                              "new --run-dir (nothing was written)")
+        return None
+    ckpt = latest_checkpoint(run_dir)
+    recorded = run_dir / "config.yaml"
+    if ckpt is None and not recorded.is_file():
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    if recorded.is_file():
+        import yaml
+
+        changes = config_changes(yaml.safe_load(recorded.read_text()) or {}, cfg.redacted_dict(), allow_config_change)
+        if changes:
+            raise RunDirError(f"--resume with a config that changes the run ({'; '.join(changes)}); resume with the "
+                              "recorded config, or list each key with --allow-config-change KEY")
+    return ckpt if ckpt is not None else NO_CHECKPOINT_YET
+
+
+NO_CHECKPOINT_YET = Path("step_0")  # a run stopped before its first checkpoint: resumed from the start
 
 
 class Evaluator:
@@ -122,13 +186,22 @@ class Run:
 
     @classmethod
     def build(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
-              show_progress: bool = True) -> Run:
+              show_progress: bool = True, allow_config_change: tuple[str, ...] = ()) -> Run:
         run_dir = Path(run_dir)
-        ckpt = latest_checkpoint(run_dir) if resume else None
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+        ckpt = check_run_dir(cfg, run_dir, resume, allow_config_change)
+        notes, resumed_from_start = [], False
+        if ckpt is not None:  # before anything is written: a bad line must not cost the run's config
+            step = int(re.fullmatch(r"step_(\d+)", ckpt.name).group(1))
+            notes = [n for name in ("metrics.jsonl", "samples.jsonl") for n in _truncate_jsonl(run_dir / name, step)]
+            if ckpt is NO_CHECKPOINT_YET:  # nothing to keep, not even step 0's evaluation: it runs again
+                notes.append(f"{run_dir} has no checkpoint yet: the run starts again from step 0")
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    (run_dir / name).unlink(missing_ok=True)
+                ckpt, resumed_from_start = None, True
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())  # secrets redacted by the dump
+        for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
+            shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
         torch.manual_seed(cfg.trainer.seed)
         rt = Runtime.build(cfg, model_dir)
         closers: list[Callable[[], None]] = [rt.close]
@@ -137,13 +210,11 @@ class Run:
             derived = cfg.derived()
             sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
             allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})
-            start = 0
+            start, extra = 0, {}
             if ckpt is not None:
                 extra = load_checkpoint(ckpt, learner)
                 start = int(extra["step"])
                 allocator.load_state_dict(extra["allocator"])
-                for name in ("metrics.jsonl", "samples.jsonl"):
-                    _truncate_jsonl(run_dir / name, start)
             every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
             weights = WeightSync(rt.engine, learner, every, start_step=start)
             if ckpt is not None:
@@ -155,14 +226,16 @@ class Run:
                                   timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
                                   reuse_policy=cfg.rollout.partial_rollout.reuse_policy,
                                   num_workers=worker.num_workers)
-            source = make_source(cfg, GroupProducer(cfg, rollouter), sampler.batch, weights, start_step=start,
-                                 sizes=allocator.sizes, max_concurrent=worker.max_concurrent_tasks,
-                                 hacking_patterns=tuple(anti.detect_patterns if anti.enabled else ()))
-            closers.append(source.close)
-            recorder = MetricsRecorder(make_sinks(cfg, run_dir))
+            resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
+            recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
             closers.append(recorder.close)
             prev = set_recorder(recorder)
             closers.append(lambda: set_recorder(prev))
+            source = make_source(cfg, GroupProducer(cfg, rollouter), sampler.batch, weights, start_step=start,
+                                 sizes=allocator.sizes, max_concurrent=worker.max_concurrent_tasks,
+                                 hacking_patterns=tuple(anti.detect_patterns if anti.enabled else ()),
+                                 state=extra.get("source"))
+            closers.append(source.close)
             progress = Progress(cfg.trainer.total_steps, start, enabled=show_progress)
             closers.append(progress.close)
         except BaseException:
@@ -175,6 +248,8 @@ class Run:
                       f"{derived['group_size']} rollouts per step; rollout.mode {cfg.rollout.mode}")
         for warning in _config_warnings(cfg):
             progress.warn(warning)
+        for note in notes:
+            progress.warn(note)
         return run
 
     def eval(self, step: int) -> dict[str, float]:
@@ -184,18 +259,33 @@ class Run:
         self.progress.eval_table(step, metrics, self.evaluate.tasks, trajs)
         return metrics
 
-    def save(self, step: int) -> None:
-        save_checkpoint(checkpoint_dir(self.run_dir, step), self.learner, self.rt.tokenizer,
-                        extra={"step": step, "allocator": self.allocator.state_dict()})
+    def checkpoint(self, step: int) -> Path:
+        return checkpoint_dir(self.run_dir, step)
 
-    def log_samples(self, step: int, groups: list) -> None:
+    def save(self, step: int) -> None:
+        save_checkpoint(self.checkpoint(step), self.learner, self.rt.tokenizer,
+                        extra={"step": step, "allocator": self.allocator.state_dict(),
+                               "source": self.source.state_dict()})
+
+    def log_samples(self, step: int, produced: list) -> None:
+        """One row per step: the trained groups' tasks, sizes and names (task step, index) — and the dropped."""
+        trained = [p for p in produced if not p.dropped]
+        row = {"step": step, "task_ids": [p.group.task_id for p in trained],
+               "group_sizes": [len(p.group.trajectories) for p in trained],
+               "groups": [[p.step, p.index] for p in trained],
+               "dropped": [[p.step, p.index] for p in produced if p.dropped]}
         with (self.run_dir / "samples.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "task_ids": [g.task_id for g in groups],
-                                "group_sizes": [len(g.trajectories) for g in groups]}) + "\n")
+            f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         for close in reversed(self._closers):
             close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _config_warnings(cfg: RunConfig) -> list[str]:

@@ -35,6 +35,8 @@ from typing import Callable, Protocol
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.buffer import ReplayBuffer
+from tether.pipeline.faults import fault
+from tether.pipeline.ledger import Ledger
 from tether.pipeline.queue import MessageQueue, QueuedGroup
 from tether.pipeline.rollouter import RolloutError, record_rollout_metrics
 from tether.pipeline.scheduler import window_for
@@ -65,6 +67,9 @@ class BatchSource(Protocol):
     def next_batch(self, step: int) -> StepBatch:
         """The ``prompts_per_step`` groups of ``step``."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs so that a resumed run neither repeats nor loses a group (ledger.py)."""
+
     def close(self) -> None: ...
 
 
@@ -80,9 +85,10 @@ def _record_batch(produced: list[Produced], version: int, hacking_patterns: tupl
 
 class SyncSource:
     def __init__(self, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]], sizes: Sizes,
-                 weights: WeightSync, *, max_groups_in_flight: int, hacking_patterns: tuple[str, ...] = ()):
+                 weights: WeightSync, ledger: Ledger, *, max_groups_in_flight: int,
+                 hacking_patterns: tuple[str, ...] = ()):
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
-        self.max_groups_in_flight, self.hacking_patterns = max_groups_in_flight, hacking_patterns
+        self.ledger, self.max_groups_in_flight, self.hacking_patterns = ledger, max_groups_in_flight, hacking_patterns
 
     async def _produce(self, step: int) -> list[Produced]:
         tasks = self.batch_tasks(step)
@@ -90,7 +96,10 @@ class SyncSource:
 
         async def one(k: int, task: Task, size: int) -> Produced:
             async with sem:
-                return await self.producer.produce(task, size, step, k)
+                produced = await self.producer.produce(task, size, step, k)
+            if k == 0:
+                fault("produce", step)
+            return produced
 
         return list(await asyncio.gather(*(one(k, t, n) for k, (t, n) in enumerate(zip(tasks, self.sizes(tasks))))))
 
@@ -98,8 +107,13 @@ class SyncSource:
         t = time.perf_counter()
         produced = asyncio.run(self._produce(step))
         elapsed = time.perf_counter() - t
+        for p in produced:
+            self.ledger.settle(p.step, p.index)
         _record_batch(produced, self.weights.version, self.hacking_patterns, elapsed)
         return StepBatch(produced, elapsed)
+
+    def state_dict(self) -> dict:
+        return {"ledger": self.ledger.state_dict()}
 
     def close(self) -> None:
         pass
@@ -109,9 +123,11 @@ class AsyncSource:
     """A rollouter running in a background thread (its own event loop), feeding the MessageQueue."""
 
     def __init__(self, cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
-                 sizes: Sizes, weights: WeightSync, *, max_groups_in_flight: int, groups_per_step: int,
-                 start_step: int, max_staleness: int, hacking_patterns: tuple[str, ...] = ()):
+                 sizes: Sizes, weights: WeightSync, ledger: Ledger, *, max_groups_in_flight: int,
+                 groups_per_step: int, start_step: int, max_staleness: int, hacking_patterns: tuple[str, ...] = (),
+                 counters: dict[str, float] | None = None):
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
+        self.ledger = ledger
         self.max_groups_in_flight, self.groups_per_step = max_groups_in_flight, groups_per_step
         group_size = cfg.policy_optimization.advantage.group_size
         # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
@@ -130,7 +146,14 @@ class AsyncSource:
         weights.subscribe(self.admission.on_version)
         weights.subscribe(self.buffer.on_version)
         self.start_step = start_step
-        self._consumed = 0  # samples delivered to the trainer
+        # Counters continue across a resume; what was queued or held at the interruption is lost (dropped) and
+        # made again (ledger.py).
+        c = counters or {}
+        self._offset = {"produced": c.get("queue/total_produced", 0.0), "stale": c.get("queue/stale_samples", 0.0),
+                        "dropped": c.get("queue/dropped_samples", 0.0) + c.get("queue/queued_samples", 0.0)}
+        self._consumed = c.get("queue/total_consumed", 0.0)  # samples delivered to the trainer
+        if start_step:
+            record_metric("rollout/regenerated_after_resume", ledger.open_before(start_step), "sum")
         self._stop = threading.Event()
         self._busy_since: float | None = None
         self._in_flight = 0
@@ -150,22 +173,24 @@ class AsyncSource:
             self.queue.close()
 
     async def _produce(self) -> None:
+        """Start the groups of the ledger's plan in order, as admission control allows."""
         sem = asyncio.Semaphore(self.max_groups_in_flight)
         pending: set[asyncio.Task] = set()
-        step = self.start_step
-        while not self._stop.is_set():
-            step += 1
-            tasks = self.batch_tasks(step)
-            for k, (task, size) in enumerate(zip(tasks, self.sizes(tasks))):
-                seq = None
-                while seq is None and not self._stop.is_set():
-                    seq = await self.admission.wait_to_start_async(timeout=0.2)
-                if seq is None:
-                    break
-                await sem.acquire()
-                job = asyncio.create_task(self._one(task, size, step, k, seq, sem))
-                pending.add(job)
-                job.add_done_callback(pending.discard)
+        plans: dict[int, tuple[list[Task], list[int]]] = {}  # task step -> (tasks, sizes), sized when first reached
+        for step, k in self.ledger.plan():
+            if step not in plans:
+                tasks = self.batch_tasks(step)
+                plans = {step: (tasks, self.sizes(tasks))}
+            seq = None
+            while seq is None and not self._stop.is_set():
+                seq = await self.admission.wait_to_start_async(timeout=0.2)
+            if seq is None:
+                break
+            await sem.acquire()
+            tasks, sizes = plans[step]
+            job = asyncio.create_task(self._one(tasks[k], sizes[k], step, k, seq, sem))
+            pending.add(job)
+            job.add_done_callback(pending.discard)
         for job in pending:
             job.cancel()
 
@@ -174,6 +199,8 @@ class AsyncSource:
         start_version = self.weights.version
         try:
             produced = await self.producer.produce(task, size, step, index)
+            if index == 0:
+                fault("produce", step)
             self.queue.put(QueuedGroup(produced.group, seq, start_version, produced=produced))
         except RolloutError as e:  # counted and logged; the window and the admission count move on
             self.queue.abandon(seq)
@@ -196,6 +223,7 @@ class AsyncSource:
 
     # -- trainer side --------------------------------------------------------------------------------
     def _drop_stale(self, records: list[QueuedGroup]) -> None:
+        self._settle(records)
         if records:
             self.queue.report_stale(records)
             record_metric("rollout/stale_trajectory_processed", sum(q.num_samples for q in records), "sum")
@@ -215,8 +243,12 @@ class AsyncSource:
         else:
             got = []
         for record in got + self.queue.get_available():
-            self.buffer.add(record)
+            self._settle(self.buffer.add(record))  # evicted: dropped for good
         return self.buffer.take(n)
+
+    def _settle(self, records: list[QueuedGroup]) -> None:
+        for q in records:
+            self.ledger.settle(q.produced.step, q.produced.index)
 
     def next_batch(self, step: int) -> StepBatch:
         t = time.perf_counter()
@@ -229,6 +261,7 @@ class AsyncSource:
             kept += got
         wait = time.perf_counter() - t
         kept.sort(key=lambda q: q.seq)  # start order: the batch sync would have built
+        self._settle(kept)
         self._consumed += sum(q.num_samples for q in kept)
         produced = [q.produced for q in kept]
         _record_batch(produced, self.weights.version, self.hacking_patterns, None)
@@ -242,11 +275,11 @@ class AsyncSource:
 
     def accounting(self) -> dict[str, float]:
         """The pipeline's sample counters (queue and replay buffer together; see the module docstring)."""
-        q = self.queue.metrics()
-        return {"queue/total_produced": q["queue/total_produced"],
+        q, o = self.queue.metrics(), self._offset
+        return {"queue/total_produced": o["produced"] + q["queue/total_produced"],
                 "queue/total_consumed": float(self._consumed),
-                "queue/dropped_samples": q["queue/dropped_samples"] + self.buffer.evicted_samples,
-                "queue/stale_samples": q["queue/stale_samples"],
+                "queue/dropped_samples": o["dropped"] + q["queue/dropped_samples"] + self.buffer.evicted_samples,
+                "queue/stale_samples": o["stale"] + q["queue/stale_samples"],
                 "queue/queued_samples": q["queue/queued_samples"] + self.buffer.held_samples,
                 "queue/size": q["queue/size"]}
 
@@ -258,6 +291,9 @@ class AsyncSource:
         if a["queue/total_produced"] != rest:
             raise AssertionError(f"pipeline accounting broken: {a}")
 
+    def state_dict(self) -> dict:
+        return {"ledger": self.ledger.state_dict(), "counters": self.accounting()}
+
     def close(self) -> None:
         self._stop.set()
         self.admission.close()
@@ -267,16 +303,20 @@ class AsyncSource:
 
 def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
                 weights: WeightSync, *, start_step: int, sizes: Sizes, hacking_patterns: tuple[str, ...] = (),
-                max_concurrent: int) -> BatchSource:
+                max_concurrent: int, state: dict | None = None) -> BatchSource:
+    """The batch source of ``rollout.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``."""
     group_size = cfg.policy_optimization.advantage.group_size
     in_flight = max(1, max_concurrent // group_size)  # groups in flight: rollout.worker.max_concurrent_tasks
+    groups_per_step = cfg.derived()["prompts_per_step"]
+    state = state or {}
+    ledger = Ledger(groups_per_step, state.get("ledger") or ({"frontier": start_step, "beyond": {}}))
     mode = cfg.rollout.mode
     if mode == "sync":
-        return SyncSource(producer, batch_tasks, sizes, weights, max_groups_in_flight=in_flight,
+        return SyncSource(producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
                           hacking_patterns=hacking_patterns)
     staleness = cfg.rollout.scheduler.max_staleness
     if mode == "one_step_off_policy":
         staleness = min(1, staleness)
-    return AsyncSource(cfg, producer, batch_tasks, sizes, weights, max_groups_in_flight=in_flight,
-                       groups_per_step=cfg.derived()["prompts_per_step"], start_step=start_step,
-                       max_staleness=staleness, hacking_patterns=hacking_patterns)
+    return AsyncSource(cfg, producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
+                       groups_per_step=groups_per_step, start_step=start_step, max_staleness=staleness,
+                       hacking_patterns=hacking_patterns, counters=state.get("counters"))

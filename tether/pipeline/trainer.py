@@ -21,6 +21,8 @@ from tether.algo import group_advantages
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.build import Run
+from tether.pipeline.faults import fault
+from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
 from tether.types import Group, Trajectory
 
@@ -34,10 +36,11 @@ class RunResult:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
-          show_progress: bool = True) -> RunResult:
-    run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress)
+          show_progress: bool = True, allow_config_change: tuple[str, ...] = ()) -> RunResult:
+    run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress,
+                    allow_config_change=allow_config_change)
     tr = cfg.trainer
-    try:
+    with run, PreemptionGuard() as stop:
         eval_before = run.eval(0) if run.start == 0 else {}
         if run.start == 0:
             run.recorder.flush(0)
@@ -45,6 +48,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         for step in range(run.start + 1, tr.total_steps + 1):
             t0, busy = time.perf_counter(), run.rt.engine.stats["busy_s"]
             batch = run.source.next_batch(step)
+            fault("batch", step)
             if (warning := no_signal_warning(batch.produced, step)) is not None:
                 run.progress.warn(warning)
             trajs, adv = advantages(cfg, batch.groups)
@@ -53,18 +57,27 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
             else:  # every group was dropped by the degenerate-group filter: nothing to learn from
                 run.learner.skip_step()
             run.allocator.observe(batch.groups, step)
+            fault("update", step)
             run.weights.after_step(step)
+            fault("sync", step)
             step_metrics(run, time.perf_counter() - t0, busy, batch.wait_s, len(trajs))
-            run.log_samples(step, batch.groups)
             last = step == tr.total_steps
-            if last or (tr.eval_every and step % tr.eval_every == 0):
+            if last or _due(tr.eval_every, step):
                 eval_after = run.eval(step)
-            if last or (tr.save_every and step % tr.save_every == 0):
+                fault("eval", step)
+            run.log_samples(step, batch.produced)
+            run.progress.update(step, run.recorder.flush(step))  # the row first: a checkpoint never lacks its row
+            fault("metrics", step)
+            if last or _due(tr.save_every, step) or stop.requested:
                 run.save(step)
-            run.progress.update(step, run.recorder.flush(step))
-    finally:
-        run.close()
+                fault("save", step)
+            if stop.requested and not last:
+                raise Preempted(stop.requested.name, stop.requested.value, step, str(run.checkpoint(step)))
     return RunResult(run.run_dir, tr.total_steps, eval_before, eval_after)
+
+
+def _due(every: int, step: int) -> bool:
+    return bool(every) and step % every == 0
 
 
 def advantages(cfg: RunConfig, groups: list[Group]) -> tuple[list[Trajectory], torch.Tensor]:
