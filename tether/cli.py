@@ -5,6 +5,8 @@ Bad input (a config error) exits with code 2 and a one-paragraph message on stde
 
 from __future__ import annotations
 
+import errno
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -111,6 +113,13 @@ def config(
         typer.echo(text, nl=False)
 
 
+def _resume_command(files: list[Path], overrides: list[str] | None, run_dir: Path) -> str:
+    shown = [o if not re.search(r"key|token|secret|password", o.partition("=")[0], re.I)
+             else o.partition("=")[0] + "=…" for o in overrides or ()]  # a secret's value is never echoed
+    return " ".join(["tether train", *map(str, files), *(f"--set {o}" for o in shown), f"--run-dir {run_dir}",
+                     "--resume"])
+
+
 @app.command()
 def train(
     files: Files,
@@ -144,15 +153,21 @@ def train(
     try:
         result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
     except Preempted as e:
-        shown = [o if not re.search(r"key|token|secret|password", o.partition("=")[0], re.I)
-                 else o.partition("=")[0] + "=…" for o in set_ or ()]  # a secret's value is never echoed
-        again = " ".join(["tether train", *map(str, files), *(f"--set {o}" for o in shown),
-                          f"--run-dir {run_dir}", "--resume"])
-        Console(stderr=True, soft_wrap=True).print(f"{escape(str(e))}\nresume with: {escape(again)}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"{escape(str(e))}\nresume with: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
-    except (RolloutError, OSError) as e:  # every episode of a group failed; a disk or permission error mid-run
+    except OSError as e:
+        if e.errno == errno.ENOSPC:  # whatever was being written: the last complete checkpoint stands
+            from tether.learner.checkpoint import latest_checkpoint
+
+            last = latest_checkpoint(run_dir)
+            raise fail(f"no space left on the device of {run_dir} ({e.filename or 'while writing'}); the last complete "
+                       f"checkpoint is {last or 'none'}: free space, then resume with: "
+                       f"{_resume_command(files, set_, run_dir)}", code=1) from None
+        raise fail(str(e), code=1) from None
+    except RolloutError as e:  # every episode of a group failed
         raise fail(str(e), code=1) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))

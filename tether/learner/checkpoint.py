@@ -18,6 +18,8 @@ The reference model is not saved: build the learner from the *initial* model, th
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import random
 import re
@@ -65,12 +67,25 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
             "rng": _rng_state(),
             "extra": extra,
         }
-        torch.save(state, tmp / STATE_FILE)
+        buffer = io.BytesIO()  # serialised in memory, written by a plain file write: a full disk is an OSError
+        torch.save(state, buffer)
+        (tmp / STATE_FILE).write_bytes(buffer.getvalue())
         _replace_dir(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = not isinstance(e, OSError) and isinstance(e, Exception) and _disk_full(path.parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            # libraries report a failed write in their own words (torch: "unexpected pos"); say what it was
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
         raise
     return path
+
+
+def _disk_full(folder: Path, margin: int = 1 << 20) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < margin
+    except OSError:
+        return False
 
 
 def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]:
