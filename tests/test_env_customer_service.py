@@ -13,7 +13,7 @@ from tether.config import EnvironmentConfig
 from tether.env.customer_service import CustomerServiceEnv, EpisodeEndedError
 from tether.types import Task
 
-SEED_CONFIG = "/work/shared/reference/seed-configs/env_config.yaml"
+SEED_CONFIG = "configs/seeds/env_config.yaml"
 NAMES = ("refund_amount_correct", "policy_compliance", "response_quality", "efficiency")
 
 

@@ -13,7 +13,7 @@ from tether.env.base import Env
 from tether.env.customer_service import CustomerServiceEnv, ScriptedExpert, example_texts, play, tasks
 from tether.env.customer_service.tasks import KINDS, scenario_key
 
-SEED_CONFIGS = ["/work/shared/reference/seed-configs/env_config.yaml", "configs/seeds/env_config.yaml"]
+SEED_CONFIGS = ["configs/seeds/env_config.yaml"]
 
 
 @pytest.mark.parametrize("path", SEED_CONFIGS)
