@@ -5,6 +5,7 @@ agent_loop.tool_selection, each flipped through the wiring ``tether train`` uses
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,8 @@ from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.rollouter import record_rollout_metrics
 from tether.runtime import agent_loop, env_factory
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def test_truncation_pays_nothing_for_doing_nothing(tok):
 
 
 def test_max_turns_reachable_under_the_loop_limits():
-    seed = load_config(["configs/seeds/env_config.yaml"], ["agent_loop.max_assistant_turns=5",
+    seed = load_config([REPO / "configs/seeds/env_config.yaml"], ["agent_loop.max_assistant_turns=5",
                                                            "agent_loop.max_parallel_calls=2"])  # agent_loop_config.yaml's
     assert not max_turns_reachable(seed)  # 20 env steps > 5 assistant turns × 2 calls
     assert max_turns_reachable(load_config([], ["environment.state.max_turns=10"]))
