@@ -55,6 +55,15 @@ def test_double_sided_truncated_gives_in_band_tokens_the_capped_weight():
     assert close(w_none, [[1.0, 1.0, 1.0, 1.0, 0.0]]) and torch.equal(keep_none, mask)
 
 
+def test_double_sided_mask_rejects_outside_the_band_without_reweighting():
+    prox, behav, mask = token_inputs()
+    w, keep, m = is_weights(prox, behav, mask, method="double_sided_mask", clip_ratio_low=0.5, clip_ratio_high=1.8)
+    # band [0.5, 2.8]: t0, t1, t2 in with weight 1 (not their ratios 1.105171, 0.606531, 2.718282), t3 out
+    assert close(w, [[1.0, 1.0, 1.0, 0.0, 0.0]])
+    assert keep.tolist() == [[1, 1, 1, 0, 0]]
+    assert close(m["is_weight_mean"], 0.75) and close(m["is_masked_fraction"], 0.25)
+
+
 def test_ratio_exactly_on_a_band_bound_is_kept():
     prox = torch.zeros(1, 2)
     behav = prox - torch.tensor([[0.2, -0.2]])

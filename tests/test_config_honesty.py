@@ -282,3 +282,23 @@ def test_explain_works_for_every_key_of_the_seed(seed):
 def test_explain_of_an_unknown_key_exits_2_with_a_guess():
     result = runner.invoke(app, ["config", "--explain", "policy_optimization.kl_control.horizn"])
     assert result.exit_code == 2 and "did you mean `horizon`?" in result.stderr
+
+
+def test_async_only_keys_set_in_sync_mode_warn_and_defaults_do_not(tmp_path):
+    seed = Path(__file__).resolve().parents[1] / "configs" / "seeds" / "async_pipeline.yaml"
+    warned = load_config([seed], ["rollout.mode=sync"]).warnings()
+    for key in ("buffer.type", "rollout.partial_rollout.replay_buffer_size", "rollout.scheduler.max_staleness"):
+        assert any(w.startswith(f"{key} acts in the async modes only") for w in warned), key
+    assert not any("acts in the async modes only" in w for w in load_config([seed]).warnings())  # fully_async
+    assert not any("acts in the async modes only" in w for w in RunConfig().warnings())  # defaults: no claim
+    both = load_config([write(tmp_path, "v.yaml", "trainer: {use_trainer_do_validate: false}")]).warnings()
+    assert any(w.startswith("trainer.use_trainer_do_validate acts in the async modes only") for w in both)
+
+
+def test_tis_settings_that_cannot_change_the_weights_warn():
+    tis = lambda **kw: RunConfig.model_validate({"learner": {"off_policy_correction": kw}}).warnings()  # noqa: E731
+    assert any("tis_enabled = false has no effect" in w
+               for w in tis(method="truncated_importance_sampling", tis_enabled=False))
+    # band [0.8, 1.2] and cap 2: no in-band weight reaches the cap; a cap of 1.1 does act
+    assert any("truncation never acts" in w for w in tis(tis_enabled=True, tis_cap=2.0))
+    assert not any("truncation never acts" in w for w in tis(tis_enabled=True, tis_cap=1.1))

@@ -69,3 +69,15 @@ def test_every_step_row_has_the_async_and_shaping_metrics(small_run, mode):
                  "rollout/policy_version_lag_max"}
     for r in rows[1:]:
         assert keys <= set(r), keys - set(r)
+
+
+def test_stale_filter_drops_what_lags_more_than_max_policy_lag(small_run):
+    common = ("rollout.mode=fully_async", "rollout.scheduler.max_staleness=3", "buffer.stale_filter.max_policy_lag=0",
+              "trainer.total_steps=4", "trainer.save_every=0")
+    on, _, _ = small_run("stale_on", *common, "buffer.stale_filter.enabled=true")
+    off, _, _ = small_run("stale_off", *common, "buffer.stale_filter.enabled=false")
+    assert all(r["rollout/policy_version_lag_max"] == 0 for r in on[1:])  # nothing older than lag 0 is trained
+    assert all(r["queue/stale_samples"] == 0 for r in off[1:])  # nothing is filtered
+    # the rollouter runs up to 3 versions ahead: with the filter the old groups go, without it they are trained
+    assert on[-1]["queue/stale_samples"] > 0 or max(r["rollout/policy_version_lag_max"] for r in off[1:]) > 0
+    assert all(accounting_holds(r) for r in on[1:] + off[1:])

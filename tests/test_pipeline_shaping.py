@@ -137,3 +137,25 @@ def test_unseen_tasks_take_their_kinds_statistics(metrics):
     # r2 is unseen but refunds vary (0.25): it gets the budget; i2's kind is always solved: the minimum 2;
     # e1's kind was never seen: the base 8; total 24 = 3 × 8
     assert alloc.sizes(new) == [14, 2, 8]
+
+
+def test_a_group_whose_every_episode_failed_is_dropped_and_counted_not_fatal_in_sync(metrics):
+    from tether.pipeline.modes import make_source
+    from tether.pipeline.rollouter import RolloutError
+    from tether.pipeline.weights import WeightSync
+
+    class Failing:
+        async def produce(self, task, size, step, index):
+            if task.id == "bad":
+                raise RolloutError("task bad: all 3 attempts failed: env: sqlite3.OperationalError")
+            return Produced(group(task.id, [0, 1, 0, 1]), step, index)
+
+    c = RunConfig.model_validate({"learner": {"batch_size": 8, "mini_batch_size": 8, "gradient_accumulation_steps": 1},
+                                  "policy_optimization": {"advantage": {"group_size": 4}}})
+    tasks = [Task("bad", "train", "k"), Task("good", "train", "k")]
+    source = make_source(c, Failing(), lambda step: tasks, WeightSync(None, None, 1), start_step=0,
+                         sizes=lambda ts: [4] * len(ts), max_concurrent=8)
+    batch = source.next_batch(1)
+    assert [g.task_id for g in batch.groups] == ["good"] and [p.failed for p in batch.produced] == [True, False]
+    assert metrics.flush(1)["rollout/failed_groups"] == 1
+    assert source.state_dict()["ledger"]["frontier"] == 1  # settled: a resume does not make it again

@@ -18,6 +18,7 @@ kernels and precision differing from the learner's — is corrected by a per-tok
     "truncated"              min(ρ_t, C)                 min(ρ_i, C)
     "double_sided"           ρ_t·1[ρ_t ∈ band]           ρ̄_i·1[ρ̄_i ∈ band]
     "double_sided_truncated" min(ρ_t, C)·1[ρ_t ∈ band]   min(ρ_i, C)·1[ρ̄_i ∈ band]
+    "double_sided_mask"      1[ρ_t ∈ band]               1[ρ̄_i ∈ band]
     "none"                   1                           1
 
 with band = [1 − ε_low, 1 + ε_high], bounds included. "truncated" is TIS (Yao, Liu et al. 2025, "Your efficient
@@ -32,7 +33,9 @@ The *weight* at sequence level is the product (capped), the ratio that makes seq
 TIS/verl ``rollout_is: sequence`` and TRL ``sequence_truncate``.
 
 From the config (``learner.off_policy_correction``): ``double_sided_importance_sampling`` → "double_sided", or
-"double_sided_truncated" with ``tis_enabled``; ``truncated_importance_sampling`` → "truncated"; ``decoupled_ppo`` →
+"double_sided_truncated" with ``tis_enabled`` (the weight, capped) and "double_sided_mask" without it (rejection
+only: tokens outside the band are masked, those inside keep weight 1, as verl's rejection sampling without its
+importance weights); ``truncated_importance_sampling`` → "truncated"; ``decoupled_ppo`` →
 ``decoupled_surrogate`` (``behav_cap`` = C with ``tis_enabled``); ``clip_ratio`` → ε_low = ε_high;
 ``token_level_clipping`` → level "token", else "sequence".
 
@@ -51,9 +54,9 @@ import torch
 from tether.algo.aggregation import aggregate
 from tether.algo.losses import MAX_LOG_RATIO, Metrics, clipped_surrogate
 
-ISMethod = Literal["truncated", "double_sided", "double_sided_truncated", "none"]
+ISMethod = Literal["truncated", "double_sided", "double_sided_truncated", "double_sided_mask", "none"]
 ISLevel = Literal["token", "sequence"]
-_METHODS = ("truncated", "double_sided", "double_sided_truncated", "none")
+_METHODS = ("truncated", "double_sided", "double_sided_truncated", "double_sided_mask", "none")
 _LEVELS = ("token", "sequence")
 
 
@@ -93,7 +96,8 @@ def is_weights(
         prox_logp: [B, L] log π_prox of the sampled tokens (no grad).
         behav_logp: [B, L] log π_behav, the engine's logprobs recorded at sampling time.
         mask: [B, L] 1 for tokens trained on.
-        method: "truncated" (TIS) | "double_sided" (IcePop) | "double_sided_truncated" | "none".
+        method: "truncated" (TIS) | "double_sided" (IcePop) | "double_sided_truncated" | "double_sided_mask"
+            (rejection only) | "none".
         clip_ratio_low, clip_ratio_high: ε_low ∈ [0, 1), ε_high ≥ 0 of the band [1 − ε_low, 1 + ε_high]
             (the seed's ``off_policy_correction.clip_ratio`` = 0.2 for both). Unused by "truncated".
         tis_cap: C > 0 (verl's ``rollout_is_threshold`` default 2.0). Unused by "double_sided"; with
@@ -129,8 +133,8 @@ def is_weights(
         rho_band = torch.exp(total / count).expand_as(delta)  # [B, L] geometric mean
 
     truncate = method in ("truncated", "double_sided_truncated")
-    band = method in ("double_sided", "double_sided_truncated")
-    if method == "none":
+    band = method in ("double_sided", "double_sided_truncated", "double_sided_mask")
+    if method in ("none", "double_sided_mask"):
         weights = torch.ones_like(delta)
     elif truncate:
         weights = rho_w.clamp(max=tis_cap)  # [B, L]

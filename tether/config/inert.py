@@ -54,6 +54,27 @@ def inert_values(cfg: RunConfig) -> list[str]:
         out.append(f"trainer.save_every = {tr.save_every} > trainer.total_steps = {steps}: the only checkpoint is "
                    f"the one at the end")
 
+    if cfg.rollout.mode == "sync":  # only what a file or --set chose: the defaults are not the user's claim
+        set_here = _explicit(cfg)
+        for key in ("buffer.type", "buffer.freshness_weight", "buffer.diversity_weight",
+                    "rollout.partial_rollout.replay_buffer_size", "buffer.stale_filter.max_policy_lag",
+                    "rollout.scheduler.max_staleness", "rollout.scheduler.type", "rollout.scheduler.window_size"):
+            if key in set_here:
+                out.append(f"{key} acts in the async modes only: rollout.mode is sync, where every step trains the "
+                           f"groups generated for it with the current weights (nothing waits, nothing is stale)")
+        if "trainer.use_trainer_do_validate" in set_here:
+            out.append("trainer.use_trainer_do_validate acts in the async modes only: in sync mode the rollout engine "
+                       "holds the trainer's weights at every evaluation, so both choices evaluate the same weights")
+    opc = cfg.learner.off_policy_correction
+    if opc.method == "truncated_importance_sampling" and not opc.tis_enabled:
+        out.append("learner.off_policy_correction.tis_enabled = false has no effect with method "
+                   "truncated_importance_sampling, which truncates the weight at tis_cap by definition")
+    if (opc.method == "double_sided_importance_sampling" and opc.tis_enabled and opc.token_level_clipping
+            and opc.tis_cap >= 1 + opc.clip_ratio and "learner.off_policy_correction.tis_enabled" in _explicit(cfg)):
+        out.append(f"learner.off_policy_correction.tis_cap = {opc.tis_cap} >= 1 + clip_ratio = {1 + opc.clip_ratio}: "
+                   "inside the double-sided band no weight reaches the cap, so truncation never acts (the weight is "
+                   "the ratio itself, IcePop); tis_enabled: false would train with weight 1 inside the band")
+
     reachable = max_env_steps(cfg)
     if cfg.environment.state.max_turns > reachable:
         al = cfg.agent_loop
@@ -85,3 +106,22 @@ def max_env_steps(cfg: RunConfig) -> int:
     from tether.env.termination import max_env_steps as steps  # noqa: PLC0415 — env is a layer above config
 
     return steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls)
+
+
+def _explicit(cfg: RunConfig) -> set[str]:
+    """Dotted keys set in a file or by --set (pydantic's ``model_fields_set``, walked through the sections)."""
+    from pydantic import BaseModel
+
+    out: set[str] = set()
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        for name in model.model_fields_set:
+            value = getattr(model, name)
+            key = f"{prefix}{model.model_fields[name].alias or name}"
+            if isinstance(value, BaseModel):
+                walk(value, key + ".")
+            else:
+                out.add(key)
+
+    walk(cfg, "")
+    return out

@@ -12,7 +12,8 @@ to π_behav, plain PPO/GRPO.
 Config → correction (``learner.off_policy_correction``; ε = ``clip_ratio``, C = ``tis_cap``):
 
     method                             tis_enabled: true                 tis_enabled: false
-    double_sided_importance_sampling   w = min(ρ, C)·1[ρ ∈ [1−ε, 1+ε]]   w = ρ·1[ρ ∈ [1−ε, 1+ε]]   (IcePop)
+    double_sided_importance_sampling   w = min(ρ, C)·1[ρ ∈ [1−ε, 1+ε]]   w = 1[ρ ∈ [1−ε, 1+ε]]
+                                       (IcePop when C ≥ 1+ε)             (rejection only, no weight)
     truncated_importance_sampling      w = min(ρ, C)                     w = min(ρ, C)
     decoupled_ppo                      w = min(ρ, C)                     w = ρ                     (Hilton et al.)
     none                               w = min(ρ, C)                     no correction, no π_prox
@@ -78,7 +79,7 @@ class Objective:
         method: ISMethod
         cap = opc.tis_cap
         if opc.method == "double_sided_importance_sampling":
-            method = "double_sided_truncated" if opc.tis_enabled else "double_sided"
+            method = "double_sided_truncated" if opc.tis_enabled else "double_sided_mask"
         elif opc.method == "decoupled_ppo":
             method, cap = "truncated", (opc.tis_cap if opc.tis_enabled else math.inf)
         else:

@@ -165,7 +165,7 @@ class Evaluator:
 def _greedy_loop(rt: Runtime, engine: Any) -> Any:
     from tether.runtime import agent_loop
 
-    return agent_loop(rt.cfg, engine, rt.tokenizer, greedy=True)
+    return agent_loop(rt.cfg, engine, rt.tokenizer, greedy=True, window=rt.window)
 
 
 @dataclass

@@ -96,7 +96,11 @@ class SyncSource:
 
         async def one(k: int, task: Task, size: int) -> Produced:
             async with sem:
-                produced = await self.producer.produce(task, size, step, k)
+                try:
+                    produced = await self.producer.produce(task, size, step, k)
+                except RolloutError as e:  # every episode failed (counted by cause): the step goes on without it
+                    log.warning("dropping group %d of step %d: %s", k, step, e)
+                    produced = Produced(Group(task.id, []), step, k, dropped=True, failed=True)
             if k == 0:
                 fault("produce", step)
             return produced

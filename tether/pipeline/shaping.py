@@ -73,7 +73,8 @@ class Produced:
     resampled: int = 0  # further attempts made by the degenerate-group filter
     resampled_trajectories: int = 0
     first_trajectories: int = 0
-    dropped: bool = False  # still degenerate after every attempt: delivered, not trained
+    dropped: bool = False  # still degenerate after every attempt (or failed): delivered, not trained
+    failed: bool = False  # every episode of the group failed (``RolloutError``): no trajectories
     any_success: bool = False  # some trajectory of some attempt succeeded
     bonus: dict[str, float] = field(default_factory=dict)  # diversity metrics of the delivered group
 
@@ -122,6 +123,7 @@ def record_production_metrics(batch: list[Produced]) -> None:
     record_metric("rollout/resampled_groups", sum(p.resampled for p in batch), "sum")
     record_metric("rollout/resampled_trajectories", sum(p.resampled_trajectories for p in batch), "sum")
     record_metric("rollout/dropped_groups", sum(p.dropped for p in batch), "sum")
+    record_metric("rollout/failed_groups", sum(p.failed for p in batch), "sum")
     for key, name in (("diversity_bonus_mean", "reward/diversity_bonus_mean"),
                       ("semantic_cluster_count", "rollout/semantic_cluster_count")):
         values = [p.bonus[key] for p in batch if key in p.bonus]
