@@ -148,6 +148,11 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------ step
 
+    def skip_step(self) -> None:
+        """A trainer step with nothing to train on (every group dropped): counted, no update."""
+        self.version += 1
+        record_metric("optim/empty_steps", 1, "sum")
+
     def train_step(self, trajectories: Sequence[Trajectory],
                    advantages: Sequence[float] | torch.Tensor) -> dict[str, float]:
         """Train on ``trajectories`` (one advantage each; nominally ``batch_size``); returns and records the metrics."""
