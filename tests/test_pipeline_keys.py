@@ -81,3 +81,17 @@ def test_stale_filter_drops_what_lags_more_than_max_policy_lag(small_run):
     # the rollouter runs up to 3 versions ahead: with the filter the old groups go, without it they are trained
     assert on[-1]["queue/stale_samples"] > 0 or max(r["rollout/policy_version_lag_max"] for r in off[1:]) > 0
     assert all(accounting_holds(r) for r in on[1:] + off[1:])
+
+
+def test_the_fully_async_seed_file_alone_selects_fully_async_and_reports_async_metrics(small_run):
+    from conftest import SEEDS
+
+    rows, _, run_dir = small_run("seed_fully_async", "trainer.ppo_mini_batch_size=4", "trainer.require_batches=2",
+                                 "trainer.total_steps=4", "trainer.save_every=0",
+                                 files=(SEEDS / "fully_async_ppo.yaml",))
+    assert "mode: fully_async" in (run_dir / "config.yaml").read_text()
+    for r in rows[1:]:
+        assert accounting_holds(r) and r["queue/total_produced"] > 0
+        assert {"rollout/policy_version_lag_max", "perf/rollouter_idle_ratio", "buffer/size"} <= set(r)
+    # trigger_parameter_sync_step: 4 in the seed: one weight sync in 4 steps
+    assert [r["rollout/current_param_version"] for r in rows[1:]] == [0, 0, 0, 1]
