@@ -149,6 +149,35 @@ def test_same_seed_same_tokens_whatever_the_batch(tiny, engine):
     assert reseeded.token_ids != alone.token_ids
 
 
+def test_deterministic_results_are_bit_identical_whatever_the_batch_and_the_cache(tiny):
+    """``deterministic=True``: a request's logprobs (not only its tokens) are the same bits alone, in a crowd
+    arriving at staggered times (other step compositions, queueing beyond max_batch) and as the next turn of
+    a cached conversation, because every request is computed on its own and nothing is reused."""
+    model, tok = tiny
+    me = (tok.encode(TEXTS[4] + TEXTS[1]), SamplingParams(temperature=1.0, top_p=0.95, max_tokens=30, seed=123))
+    others = [(tok.encode(t), SamplingParams(temperature=t_, max_tokens=10 + 7 * i, seed=i))
+              for i, (t, t_) in enumerate(zip(TEXTS * 2, [0.0, 1.0, 0.5, 2.0, 1.0] * 2))]
+
+    async def staggered(engine):
+        async def one(i, prompt, params):
+            await asyncio.sleep(0.003 * (i % 4))
+            return await engine.generate(prompt, params)
+        jobs = [*others[:5], me, *others[5:]]
+        return (await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(jobs))))[5]
+
+    with LocalEngine(model, deterministic=True) as engine:
+        alone = run(engine, [me[0]], [me[1]])[0]
+    with LocalEngine(model, deterministic=True, max_batch=4) as engine:
+        crowd = asyncio.run(staggered(engine))
+        turn2 = me[0] + crowd.token_ids + tok.encode("<tool_response>\nok\n</tool_response>")
+        second = run(engine, [turn2], [me[1]])[0]  # the default engine would extend the parked first turn
+        assert engine.stats["cached_prompt_tokens"] == 0
+    with LocalEngine(model, deterministic=True) as engine:
+        second_alone = run(engine, [turn2], [me[1]])[0]
+    assert (crowd.token_ids, crowd.logprobs) == (alone.token_ids, alone.logprobs)
+    assert (second.token_ids, second.logprobs) == (second_alone.token_ids, second_alone.logprobs)
+
+
 def test_tiny_top_p_is_greedy(tiny, engine):
     _, tok = tiny
     prompts = [tok.encode(t) for t in TEXTS[:3]]
@@ -208,11 +237,11 @@ def test_update_weights_mid_flight(tiny, recompute):
     with engine:  # updates load into the engine's own model
         decode, calls = engine._runner.decode, [0]
 
-        def decode_then_update(tokens):  # after 10 steps, another thread pushes new weights
+        def decode_then_update(tokens, **kw):  # after 10 steps, another thread pushes new weights
             calls[0] += 1
             if calls[0] == 10:
                 threading.Thread(target=engine.update_weights, args=(new.state_dict(), 7)).start()
-            return decode(tokens)
+            return decode(tokens, **kw)
         engine._runner.decode = decode_then_update
         r = run(engine, [prompt], SamplingParams(temperature=1.0, max_tokens=150, seed=3))[0]
     switch = r.versions.index(7)
@@ -230,13 +259,13 @@ def _push_during_decode(engine, pushes):
     """Wrap the engine's decode so that, at decode call k, another thread pushes weights (state_dict, version)."""
     decode, calls, threads = engine._runner.decode, [0], []
 
-    def decode_and_push(tokens):
+    def decode_and_push(tokens, **kw):
         calls[0] += 1
         for k, (state, version) in pushes.items():
             if calls[0] == k:
                 threads.append(threading.Thread(target=engine.update_weights, args=(state, version)))
                 threads[-1].start()
-        return decode(tokens)
+        return decode(tokens, **kw)
     engine._runner.decode = decode_and_push
     return threads
 

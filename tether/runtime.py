@@ -144,7 +144,8 @@ def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngin
         raise ValueError(f"engine.type {cfg.engine.type!r} is not available yet; use engine.type: local")
     partial = cfg.rollout.partial_rollout
     return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=cfg.engine.max_batch_size,
-                       seed=cfg.trainer.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length)
+                       seed=cfg.trainer.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
+                       deterministic=cfg.trainer.deterministic)
 
 
 @dataclass

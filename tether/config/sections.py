@@ -309,6 +309,15 @@ class TrainerConfig(Section):
     """Checkpoint every N trainer steps (also at the end); 0 = only at the end."""
     seed: int = 0
     """Seed of sampling, task shuffling and initialisation."""
+    deterministic: bool = False
+    """Bit-for-bit reproducible generation: the local engine computes every request on its own (a batch of
+    one, no prefix-cache reuse), so a token and its logprob do not depend on which requests share a decode
+    step. With it, two sync-mode runs of one config and seed on the same CPU, torch build and thread count
+    give identical metrics (wall-clock timings aside) and weights; async modes keep the per-request
+    guarantee, but which weight version a token is sampled under depends on timing (docs/determinism.md).
+    Cost: engine time grows with the number of concurrent requests instead of staying almost flat (1.8× with
+    8 concurrent episodes, 1.3× step time; 4.3× with 32, 1.35× step time). tether's own key (no seed config
+    names it)."""
     eval_tasks: PosInt | None = None
     """Held-out tasks per evaluation, in tasks; None = environment.num_eval_tasks."""
 

@@ -8,7 +8,8 @@ HF forward per sequence per step with its own ``DynamicCache``.
 
 Both runners keep the same contract: running sequences live in slots ``0..n-1``; ``prefill`` fills the
 given slots from scratch and returns the logits of each sequence's last token; ``decode`` appends one
-token to each of slots ``0..n-1`` and returns the next-token logits; ``swap`` exchanges two slots.
+token to each of slots ``0..n-1`` (or ``first..first+n-1``: the deterministic engine decodes one slot at a
+time) and returns the next-token logits; ``swap`` exchanges two slots.
 The fast runner can also extend a slot whose cache already holds a prefix (``prefill(..., starts)``,
 ``copy_prefix``), which the engine uses to reuse the KV of an earlier turn or a shared prompt.
 """
@@ -217,19 +218,19 @@ class LlamaFamilyRunner:
         self.cache.lengths[slot_idx] = start + new_lens
         return self._logits(x[torch.arange(k), new_lens - 1])
 
-    def decode(self, tokens: list[int]) -> torch.Tensor:
-        """Append ``tokens[i]`` to slot i for i < n; returns next-token logits [n, V]."""
+    def decode(self, tokens: list[int], first: int = 0) -> torch.Tensor:
+        """Append ``tokens[i]`` to slot ``first + i`` for i < n; returns next-token logits [n, V]."""
         n, cache = len(tokens), self.cache
-        pos = cache.lengths[:n]  # [n] where each new token goes
-        L = int(pos.max()) + 1
-        cache.reserve(n, L)
-        pos = cache.lengths[:n]
+        s = slice(first, first + n)  # the slots decoded
+        L = int(cache.lengths[s].max()) + 1
+        cache.reserve(first + n, L)
+        pos = cache.lengths[s]  # [n] where each new token goes (read after reserve, which may reallocate)
         cos, sin = self._rope(L)
         cos, sin = cos[pos], sin[pos]  # [n, hd]
         keep = torch.arange(L, device=self.device)[None] <= pos[:, None]  # [n, L]
         mask = torch.zeros(n, 1, 1, L, dtype=self.dtype, device=self.device)  # additive: a bit faster
         mask.masked_fill_(~keep[:, None, None, :], float("-inf"))
-        rows = torch.arange(n, device=self.device)
+        rows = torch.arange(first, first + n, device=self.device)
         rep = self.num_heads // self.num_kv_heads
         x = F.embedding(torch.tensor(tokens, device=self.device), self.embed)  # [n, D]
         for i, w in enumerate(self.layers):
@@ -239,11 +240,11 @@ class LlamaFamilyRunner:
             # Grouped-query attention without repeating the cache: the query heads of one KV head
             # become that head's query "positions".
             q = q.view(n, self.num_kv_heads, rep, self.head_dim)
-            a = F.scaled_dot_product_attention(q, cache.k[i][:n, :, :L], cache.v[i][:n, :, :L],
+            a = F.scaled_dot_product_attention(q, cache.k[i][s, :, :L], cache.v[i][s, :, :L],
                                                attn_mask=mask, scale=self.scaling)
             x = x + F.linear(a.reshape(n, -1), w.o, w.o_bias)
             x = self._mlp(w, x)
-        cache.lengths[:n] += 1
+        cache.lengths[s] += 1
         return self._logits(x)
 
     def swap(self, a: list[int], b: list[int]) -> None:
@@ -282,8 +283,8 @@ class HFRunner:
             out.append(self._forward(seq, self.caches[slot]))
         return torch.stack(out)
 
-    def decode(self, tokens: list[int]) -> torch.Tensor:
-        return torch.stack([self._forward([t], self.caches[i]) for i, t in enumerate(tokens)])
+    def decode(self, tokens: list[int], first: int = 0) -> torch.Tensor:
+        return torch.stack([self._forward([t], self.caches[first + i]) for i, t in enumerate(tokens)])
 
     def truncate(self, slot: int, n: int) -> None:
         assert n == 0, "HFRunner has no prefix reuse"

@@ -15,6 +15,33 @@ One step of the worker loop:
   3. one decode step for every running request; finished requests leave at once.
 Results go back to each caller's event loop with ``call_soon_threadsafe``. Only the worker thread touches
 the model: ``update_weights`` queues the new weights and waits until the worker has loaded them.
+
+Determinism (``deterministic=True``, the config's ``trainer.deterministic``). On a CPU a row of a batched
+matmul does not get the bits it gets alone: MKL runs one row through a matrix-vector kernel and several
+through blocked ones, and attention's result depends on the padded key length (the step's longest
+sequence). Which requests share a step, and which cached prefix a prompt starts from (a running sibling's
+prompt, the parked previous turn, or nothing after an eviction), depends on when the requests arrive: on
+asyncio and thread timing around tool calls and the user simulator. So two runs of one seed differed in
+the last bits of the behaviour logprobs (5e-7, and a token now and then where two were nearly tied), hence
+in the loss and the weights. In deterministic mode every request is computed on its own: its whole prompt
+in one prefill (no prefix reuse), then one forward per token over its own length, and its own sampling
+call. Sampling was per request already: each uniform draw comes from the request's generator, which the
+caller seeds from the episode's identity (run seed, task, index, turn), not from arrival order. A
+request's tokens and logprobs are then a function of its prompt, its seed and the weights each token was
+sampled under, on one machine, torch build and thread count. The cost is the batching: decode time grows
+with the number of running requests instead of staying almost flat (engine time 1.8x with 8 concurrent
+requests of the tests' small model, 4.3x with 32). A request without a seed draws from the engine's shared
+generator in arrival order, which concurrency makes irreproducible.
+
+What that gives per mode: in ``sync`` mode the weights change only between steps, with nothing in flight,
+so a run is reproducible bit for bit (metrics apart from wall-clock timings, samples, weights;
+``tests/test_determinism.py``). The async modes keep the task plan, the episode seeds and the per-request
+guarantee, but the weight version a group starts under, the token where a partial rollout switches
+versions, which groups the staleness filter drops and the order groups reach the trainer all follow the
+timing between rollouter and trainer: a run repeats only when that timing does (at ``max_staleness`` 0
+they equal sync bit for bit). In every mode a wall-clock limit can still fork a run: an episode that
+exceeds ``rollout.worker.task_timeout_s`` is retried with another seed, and a tool whose simulated latency
+is within the event loop's lag of its ``timeout_ms`` may or may not time out.
 """
 
 from __future__ import annotations
@@ -89,7 +116,7 @@ class LocalEngine:
     def __init__(self, model: torch.nn.Module, *, version: int = 0, num_threads: int | None = None,
                  max_batch: int = 128, max_prefill_tokens: int = 2048, prefix_cache_size: int = 64,
                  recompute_on_update: bool = True, fast_path: bool = True, seed: int = 0,
-                 partial_rollout: bool = True, segment_length: int = 1):
+                 partial_rollout: bool = True, segment_length: int = 1, deterministic: bool = False):
         """
         num_threads: ``torch.set_num_threads`` for the worker (process-wide; None leaves it alone).
         max_batch: most requests decoded together; more wait in a queue.
@@ -107,6 +134,10 @@ class LocalEngine:
         segment_length: with partial rollout, decode steps between interruption points: once a version is
             in place, every running generation gets at least this many tokens from it before the next
             update is applied (``rollout.partial_rollout.segment_length``; 1 = the next step).
+        deterministic: compute every request on its own (a batch of one, no prefix reuse), so that its
+            tokens and logprobs do not depend on which requests share a step (``trainer.deterministic``;
+            see the module docstring). Costs the batching: decode time grows with the number of running
+            requests instead of staying flat.
         """
         if segment_length < 1:
             raise ValueError(f"segment_length must be >= 1 decode step, got {segment_length}")
@@ -115,7 +146,8 @@ class LocalEngine:
         if problem:
             log.info("LocalEngine: HF fallback (one forward per sequence per step): %s", problem)
         self._runner = HFRunner(model) if problem else LlamaFamilyRunner(model)
-        self._slots = SlotTable(self._runner, prefix_cache_size, reuse=not problem)
+        self.deterministic = deterministic
+        self._slots = SlotTable(self._runner, prefix_cache_size, reuse=not (problem or deterministic))
         self._max_len = model.config.max_position_embeddings
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.recompute_on_update, self.num_threads = recompute_on_update, num_threads
@@ -278,18 +310,27 @@ class LocalEngine:
             widest = widest_next
         if new:
             first = len(slots.running) - len(new)
-            logits = self._runner.prefill([r.prompt for r in new], list(range(first, len(slots.running))), starts)
+            for a, b in self._batches(len(new)):
+                logits = self._runner.prefill([r.prompt for r in new[a:b]], list(range(first + a, first + b)),
+                                              starts[a:b])
+                self._emit(new[a:b], logits, version)
             self.stats["prompt_tokens"] += sum(len(r.prompt) for r in new)
             self.stats["cached_prompt_tokens"] += sum(starts)
-            self._emit(new, logits, version)
             for req in new:
                 slots.index(req)
             self._retire()
         if slots.running:
             self._segment_steps += 1
-            logits = self._runner.decode([r.tokens[-1] for r in slots.running])
-            self._emit(slots.running, logits, version)
+            running = slots.running
+            for a, b in self._batches(len(running)):
+                logits = self._runner.decode([r.tokens[-1] for r in running[a:b]], first=a)
+                self._emit(running[a:b], logits, version)
             self._retire()
+
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        """Row ranges [a, b) of the n requests at hand that one forward computes: all of them together,
+        or, in deterministic mode, each on its own."""
+        return [(i, i + 1) for i in range(n)] if self.deterministic else [(0, n)]
 
     def _refill(self) -> None:
         """Recompute every running request's cache under the current weights, in prefill-sized chunks."""
@@ -298,7 +339,7 @@ class LocalEngine:
         chunk: list[int] = []
         for i in [*order, None]:
             length = 0 if i is None else len(running[i].prompt) + len(running[i].tokens) - 1
-            if chunk and (i is None or (len(chunk) + 1) * length > self.max_prefill_tokens):
+            if chunk and (i is None or self.deterministic or (len(chunk) + 1) * length > self.max_prefill_tokens):
                 self._runner.prefill([running[j].prompt + running[j].tokens[:-1] for j in chunk], chunk)
                 chunk = []
             if i is not None:
