@@ -39,7 +39,8 @@ environment:
     - {name: query_inventory, params: [sku_id], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
     - {name: check_refund_policy, params: [order_id, reason_code], timeout_ms: 10000,
        latency_ms: {median: 500, sigma: 1.2, max: 8000}}
-    - {name: escalate_to_human, params: [summary, priority], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
+    - {name: escalate_to_human, params: [summary, priority], timeout_ms: 10000,
+       latency_ms: {median: 500, sigma: 1.2, max: 8000}}
     - {name: respond_to_user, params: [message], timeout_ms: 10000, latency_ms: {median: 500, sigma: 1.2, max: 8000}}
 engine: {max_tokens: 8, temperature: 1.0}
 agent_loop: {max_assistant_turns: 4, max_user_turns: 4}
@@ -107,7 +108,7 @@ def main() -> None:
     sync_rate = trained / results["sync"][0]
     sync_ideal_rate = batch / (t_rollout + t_train)
     lines = []
-    for mode, (wall, rows) in results.items():
+    for mode, (wall, _rows) in results.items():
         rate = trained / wall
         staleness = 0 if mode == "sync" else (1 if mode == "one_step_off_policy" else 4)
         worker = cfg.rollout.worker

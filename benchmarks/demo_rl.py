@@ -49,8 +49,9 @@ def rl_run(sft: Path, run_dir: Path, overrides: list[str], files: tuple[Path, ..
         "generated": total("rollout/generated_trajectories") + total("rollout/resampled_trajectories"),
         "trained": total("rollout/trained_trajectories"),
         "informative_groups": 1.0 - sum(degenerate) / max(len(degenerate), 1),
-        "informative_samples": (sum(r.get("optim/nonzero_advantage_ratio", 0.0) * r.get("rollout/trained_trajectories", 0)
-                                    for r in steps) / max(total("rollout/trained_trajectories"), 1)),
+        "informative_samples": (sum(r.get("optim/nonzero_advantage_ratio", 0.0)
+                                    * r.get("rollout/trained_trajectories", 0) for r in steps)
+                                / max(total("rollout/trained_trajectories"), 1)),
         "max_lag": max((r.get("rollout/policy_version_lag_max", 0) for r in steps), default=0),
         "kl_max": max((r.get("optim/kl_divergence", 0.0) for r in steps), default=0.0),
     }

@@ -34,7 +34,8 @@ VARIANTS = {
     "correction+filter": [*ASYNC, *CORRECTION_ON, FILTER + "true"],
     "no_correction": [*ASYNC, *CORRECTION_OFF, FILTER + "true"],
     "no_filter": [*ASYNC, *CORRECTION_ON, FILTER + "false"],
-    "fixed_allocation": ["rollout.mode=sync", FILTER + "false", "policy_optimization.rollout_allocation.strategy=fixed"],
+    "fixed_allocation": ["rollout.mode=sync", FILTER + "false",
+                         "policy_optimization.rollout_allocation.strategy=fixed"],
     "adaptive_allocation": ["rollout.mode=sync", FILTER + "false",
                             "policy_optimization.rollout_allocation.strategy=adaptive",
                             "policy_optimization.rollout_allocation.reallocation_interval=2",
@@ -66,8 +67,8 @@ def main() -> None:
     for name, r in results.items():
         reach = steps_to_reach(r["curve"], args.level)
         print(f"{name:20s} {r['before']:7.1%} {r['after']:7.1%} {str(reach or '-'):>7s} {r['generated']:9.0f} "
-              f"{r['trained']:8.0f} {r['informative_groups']:10.1%} {r['informative_samples']:9.1%} {r['max_lag']:7.0f} "
-              f"{r['kl_max']:7.3f} "
+              f"{r['trained']:8.0f} {r['informative_groups']:10.1%} {r['informative_samples']:9.1%} "
+              f"{r['max_lag']:7.0f} {r['kl_max']:7.3f} "
               f"{r['wall_s']:7.1f}")
     for name, r in results.items():
         print(f"{name}: held-out success by step {dict(sorted(r['curve'].items()))}")

@@ -10,7 +10,7 @@ from tether.agent.loop import LoopLimits, make_agent_loop, transcript
 from tether.config import EnvironmentConfig, LatencySpec
 from tether.engine.base import SamplingParams
 from tether.engine.scripted import ScriptedEngine as _Scripted
-from tether.env.customer_service import CustomerServiceEnv, ScriptedExpert, example_texts, tasks
+from tether.env.customer_service import CustomerServiceEnv, example_texts, tasks
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.types import Task
 
@@ -106,7 +106,8 @@ def test_parallel_calls_run_concurrently_and_extra_calls_are_refused(tokenizer):
 
 def test_max_assistant_turns_truncates_and_scores_through_finalize(tokenizer):
     task = tasks("eval")[0]
-    traj, _ = run(tokenizer, [f"Let me see ({i})." for i in range(10)], task.id, limits=LoopLimits(max_assistant_turns=2, max_user_turns=9))
+    traj, _ = run(tokenizer, [f"Let me see ({i})." for i in range(10)], task.id,
+                  limits=LoopLimits(max_assistant_turns=2, max_user_turns=9))
     assert traj.num_assistant_turns == 2 and traj.termination == "max_assistant_turns" and traj.truncated
     assert traj.reward == 0.0 and not traj.success
     assert set(traj.reward_components) == {"refund_amount_correct", "policy_compliance", "response_quality",

@@ -49,7 +49,7 @@ def test_surplus_goes_to_zero_proxy_tasks_only_when_informative_ones_are_full():
 
 def test_budget_is_conserved_within_bounds_and_deterministic():
     rng = random.Random(0)
-    for trial in range(50):
+    for _trial in range(50):
         n = rng.randint(1, 12)
         proxies = [None if rng.random() < 0.2 else rng.choice([0.0, rng.random() * 0.25]) for _ in range(n)]
         seen = sum(p is not None for p in proxies)

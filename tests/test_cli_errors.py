@@ -117,7 +117,8 @@ def test_a_boolean_is_not_a_number(config):
         load_config(config, ["trainer.total_steps=true"])
     with pytest.raises(ConfigError, match=r"`policy_optimization.optimizer.lr` = False in --set: expected a number"):
         load_config(config, ["policy_optimization.optimizer.lr=false"])
-    assert load_config(config, ["trainer.total_steps=3", "learner.gradient_accumulation_steps=2"]).trainer.total_steps == 3
+    overrides = ["trainer.total_steps=3", "learner.gradient_accumulation_steps=2"]
+    assert load_config(config, overrides).trainer.total_steps == 3
     assert load_config(config, ["rollout.partial_rollout.enabled=true"]).rollout.partial_rollout.enabled is True
 
 
@@ -152,7 +153,8 @@ def test_context_window_past_the_model_is_clamped_with_a_warning(tiny_model, con
         rt.close()
     small = load_config(config, ["environment.state.context_window=1024"])
     assert context_window(small, rt.model.config) == 1024
-    with pytest.raises(ConfigError, match=r"`engine.max_tokens` = 4096 does not fit .* max_position_embeddings is 4096"):
+    with pytest.raises(ConfigError,
+                       match=r"`engine.max_tokens` = 4096 does not fit .* max_position_embeddings is 4096"):
         context_window(load_config(config, ["engine.max_tokens=4096"]), rt.model.config)
 
 

@@ -184,8 +184,8 @@ def test_seed_step_sizes_conflict_when_merged():
     with pytest.raises(ConfigError) as err:
         load_config([seed_dir("repo") / n for n in SEEDS])
     msg = str(err.value)
-    for part in ("`trainer.ppo_mini_batch_size` = 64 (", "`trainer.require_batches` = 2 (", "`learner.batch_size` = 64 (",
-                 "make them equal"):
+    for part in ("`trainer.ppo_mini_batch_size` = 64 (", "`trainer.require_batches` = 2 (",
+                 "`learner.batch_size` = 64 (", "make them equal"):
         assert part in msg
 
 
@@ -315,7 +315,8 @@ BAD = [
      ["`message_queue.class` = 'RedisQueue'", "bad.yaml", "allowed: 'MessageQueue'"]),
     ("api_key_not_a_string", {"bad.yaml": "llm_client:\n  api_key: [1, 2]\n"}, [],
      ["`llm_client.api_key`", "bad.yaml", "expected a string"]),
-    ("async_classes_in_sync_mode", {"c.yaml": "trainer: {class: FullyAsyncTrainer}\nrollouter: {class: FullyAsyncRollouter}\n",
+    ("async_classes_in_sync_mode", {"c.yaml": "trainer: {class: FullyAsyncTrainer}\n"
+                                              "rollouter: {class: FullyAsyncRollouter}\n",
                                     "m.yaml": "rollout: {mode: sync}\n"}, [],
      ["`rollout.mode` = 'sync' (m.yaml)", "`trainer.class` = 'FullyAsyncTrainer' (c.yaml)",
       "`rollouter.class` = 'FullyAsyncRollouter' (c.yaml)", "run rollout.mode fully_async"]),

@@ -8,7 +8,6 @@ import typing
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import BaseModel
 from typer.testing import CliRunner
 

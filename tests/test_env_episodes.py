@@ -161,7 +161,7 @@ def test_tool_latency_above_timeout_is_an_error_and_three_end_the_episode():
     env = _slow_env()
     env.reset(task_id="test_002")
     outs = [env.step({"name": "query_inventory", "params": {"sku_id": f"SKU-{100 + i}"}}) for i in range(3)]
-    for obs, reward, done, info in outs:
+    for obs, _reward, _done, info in outs:
         assert obs["last_tool_result"] == '{"error": "tool query_inventory timed out after 40 ms"}'
         assert obs["tool_error"] and obs["inventory_snapshot"] == {}
         assert info["latency_ms"] > 40

@@ -123,8 +123,8 @@ def test_truncation_pays_nothing_for_doing_nothing(tok):
 
 
 def test_max_turns_reachable_under_the_loop_limits():
-    seed = load_config([REPO / "configs/seeds/env_config.yaml"], ["agent_loop.max_assistant_turns=5",
-                                                           "agent_loop.max_parallel_calls=2"])  # agent_loop_config.yaml's
+    seed = load_config([REPO / "configs/seeds/env_config.yaml"],  # with agent_loop_config.yaml's limits
+                       ["agent_loop.max_assistant_turns=5", "agent_loop.max_parallel_calls=2"])
     assert not max_turns_reachable(seed)  # 20 env steps > 5 assistant turns × 2 calls
     assert max_turns_reachable(load_config([], ["environment.state.max_turns=10"]))
     assert not max_turns_reachable(load_config([], ["environment.state.max_turns=11"]))

@@ -16,11 +16,11 @@ from tether.config import EnvironmentConfig
 from tether.engine.base import SamplingParams
 from tether.engine.scripted import ScriptedEngine
 from tether.env.customer_service import CustomerServiceEnv, tasks
-from tether.env.tools import LIMITS, argument_problem, parse_action
+from tether.env.tools import argument_problem, parse_action
 from tether.learner.model import load_model_and_tokenizer
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.evaluate import evaluate
-from tether.pipeline.rollouter import RolloutError, Rollouter
+from tether.pipeline.rollouter import Rollouter, RolloutError
 
 PARSERS = ("hermes", "function_call_parser")
 FUZZ = settings(max_examples=25, deadline=None, database=None, derandomize=True,
@@ -88,7 +88,8 @@ def test_hostile_calls_are_parse_errors_with_a_reason(parser, case):
 def test_bare_json_of_function_call_parser_is_bounded_too():
     p = get_parser("function_call_parser")
     assert "nested deeper" in p('{"name": "f", "arguments": {"a": ' + deep(5000) + "}}").errors[0].reason
-    assert "longer than 100" in p('```json\n{"name": "f", "arguments": {"a": ' + "7" * 4400 + "}}\n```").errors[0].reason
+    long_number = '```json\n{"name": "f", "arguments": {"a": ' + "7" * 4400 + "}}\n```"
+    assert "longer than 100" in p(long_number).errors[0].reason
 
 
 @pytest.mark.parametrize("text", ["<tool_call>" * 20_000, "```{" * 20_000, "```json {" * 20_000,

@@ -67,8 +67,8 @@ def test_double_sided_masks_exactly_the_tokens_outside_the_band(base_model):
     assert m["optim/is_ratio_mean"] == pytest.approx((shifted * math.exp(-0.5) + total - shifted) / total, abs=1e-4)
     # nothing left when every token is outside the band: no gradient at all, loss 0
     for t in trajs:
-        t.logprobs = [lp + 0.5 if msk else 0.0 for lp, msk in zip(own_logprobs(base_model, [copy.deepcopy(t)])[0].logprobs,
-                                                                  t.response_mask)]
+        own = own_logprobs(base_model, [copy.deepcopy(t)])[0].logprobs
+        t.logprobs = [lp + 0.5 if msk else 0.0 for lp, msk in zip(own, t.response_mask)]
     learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction="double_sided_importance_sampling",
                                                                 entropy_coef=0.0, kl="none"))
     m = learner.train_step(trajs, advantages(8))

@@ -52,7 +52,8 @@ def ask_id_episode(tok, *sets):
     task = tasks("eval")[1]
     assert task.kind == "refund_ask_id"
     d = task.data
-    texts = ["What is your order ID?", call("check_refund_policy", order_id=d["order_id"], reason_code=d["reason_code"]),
+    texts = ["What is your order ID?",
+             call("check_refund_policy", order_id=d["order_id"], reason_code=d["reason_code"]),
              f"Your refund of {d['expected_refund']:.2f} for {d['order_id']} is approved."]
     return (*scripted(tok, texts, task, *sets), texts)
 
@@ -85,7 +86,8 @@ def test_k_bounds_the_context_and_changes_the_tokens(tiny):
     # Segment 1's prompt: system + opening + summary of turn 1 + turn 2, as the chat template renders them.
     task = tasks("eval")[1]
     m = narrow.messages  # system, user, asst 1, user reply, asst 2 (call), tool result, asst 3, user "Thanks"
-    summary = {"role": "system", "content": SUMMARY_PREFIX + f"turn 1: respond_to_user x1 (last: It is {task.data['order_id']}.)"}
+    summary = {"role": "system",
+               "content": SUMMARY_PREFIX + f"turn 1: respond_to_user x1 (last: It is {task.data['order_id']}.)"}
     tools = [s for s in CustomerServiceEnv().tool_schemas() if s["function"]["name"] in task.tools]
     expected = render_ids(tok, [m[0], m[1], summary, m[4], m[5]], tools, add_generation_prompt=True)
     assert tok.decode(second.prompt_ids) == tok.decode(expected)
@@ -138,7 +140,8 @@ def rollouts(tiny):
         loop = agent_loop(cfg, engine, tok)
 
         async def run_all():
-            jobs = [loop.run(t, make_env(), seed=i) for t in tasks("train")[:2] for i in range(4)]
+            jobs = [loop.run(t, make_env(), seed=i)  # noqa: B023 — run_all runs within this iteration
+                    for t in tasks("train")[:2] for i in range(4)]
             return await asyncio.gather(*jobs)
 
         try:

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from tether.config import ConfigError, RunConfig
-from tether.metrics import (JsonlSink, MetricsRecorder, TensorBoardSink, make_sinks, record_metric, set_recorder,
-                            timer)
+from tether.metrics import JsonlSink, MetricsRecorder, TensorBoardSink, make_sinks, record_metric, set_recorder, timer
 
 
 def test_reductions_and_jsonl(tmp_path):
@@ -28,8 +27,8 @@ def test_reductions_and_jsonl(tmp_path):
         rec.close()
     assert row["reward/mean"] == 3.0 and row["agent/tool_calls"] == 9.0
     assert row["rollout/policy_version_lag_max"] == 6.0 and math.isnan(row["optim/loss"])
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [7, 8]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines] == [7, 8]
     assert lines[1] == {"step": 8, "reward/mean": 5.0}
 
 

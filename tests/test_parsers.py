@@ -30,7 +30,8 @@ def test_hermes_malformed_calls_become_errors(body, reason):
 
 
 def test_hermes_arguments_as_json_string_and_unterminated_block():
-    turn = get_parser("hermes")('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call> ok <tool_call>{"name"')
+    turn = get_parser("hermes")('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call> ok '
+                                '<tool_call>{"name"')
     assert [(c.name, c.arguments) for c in turn.calls] == [("f", {"a": 1})]
     assert [e.reason for e in turn.errors] == ["unterminated <tool_call> block"]
     assert turn.content == "ok"

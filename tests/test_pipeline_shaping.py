@@ -8,8 +8,14 @@ import pytest
 
 from tether.config import RunConfig
 from tether.metrics import MetricsRecorder, set_recorder
-from tether.pipeline.shaping import (GroupProducer, Produced, RolloutAllocator, add_diversity_bonus, no_signal_warning,
-                                     record_production_metrics)
+from tether.pipeline.shaping import (
+    GroupProducer,
+    Produced,
+    RolloutAllocator,
+    add_diversity_bonus,
+    no_signal_warning,
+    record_production_metrics,
+)
 from tether.types import Group, Task, Trajectory
 
 

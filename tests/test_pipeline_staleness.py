@@ -5,8 +5,13 @@ import time
 import pytest
 
 from tether.pipeline.queue import MessageQueue, QueuedGroup
-from tether.pipeline.staleness import (AdmissionController, mask_older_segments, policy_lag, stale_filter,
-                                      version_lag_stats)
+from tether.pipeline.staleness import (
+    AdmissionController,
+    mask_older_segments,
+    policy_lag,
+    stale_filter,
+    version_lag_stats,
+)
 from tether.types import Group, Trajectory
 
 

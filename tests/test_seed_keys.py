@@ -13,7 +13,6 @@ import asyncio
 import copy
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -337,7 +336,8 @@ def test_max_concurrent_tasks_bounds_the_groups_in_flight():
                                         "policy_optimization": {"advantage": {"group_size": 4}}})
         producer = _SlowProducer()
         tasks = [Task(f"t{i}", "train", "k") for i in range(8)]
-        source = make_source(cfg, producer, lambda step: tasks, WeightSync(None, None, 1), start_step=0,
+        source = make_source(cfg, producer, lambda step: tasks,  # noqa: B023 — used within this iteration
+                             WeightSync(None, None, 1), start_step=0,
                              sizes=lambda ts: [4] * len(ts), max_concurrent=cap)
         source.next_batch(1)
         peaks[cap] = producer.peak
@@ -364,7 +364,7 @@ class _NullEnv:
 
 
 def test_task_timeout_and_retry_on_failure_decide_whether_an_episode_survives():
-    from tether.pipeline.rollouter import RolloutError, Rollouter
+    from tether.pipeline.rollouter import Rollouter, RolloutError
 
     task = Task("t", "train", "k")
 
@@ -451,7 +451,8 @@ _parametrized("policy_optimization.advantage.group_size", "test_batch_size_and_g
 
 KEY_TESTS.update({
     # the pipeline (tests/test_pipeline_keys.py, tests/test_modes.py and the component tests)
-    "buffer.type": "tests/test_pipeline_keys.py::test_fifo_and_priority_buffers_train_different_groups_and_count_evictions",
+    "buffer.type":
+        "tests/test_pipeline_keys.py::test_fifo_and_priority_buffers_train_different_groups_and_count_evictions",
     "rollout.partial_rollout.replay_buffer_size":
         "tests/test_pipeline_keys.py::test_fifo_and_priority_buffers_train_different_groups_and_count_evictions",
     "buffer.freshness_weight": "tests/test_pipeline_buffer.py::test_priorities_of_three_groups_and_eviction_order",
@@ -500,7 +501,8 @@ KEY_TESTS.update({
     "environment.state.memory.k": "tests/test_memory_segments.py::test_k_bounds_the_context_and_changes_the_tokens",
     "environment.state.memory.summary_enabled":
         "tests/test_memory_segments.py::test_summary_enabled_changes_the_segment_prompt",
-    "environment.state.memory.type": "tests/test_config_honesty.py::test_one_value_labels_accept_only_that_value_and_say_so",
+    "environment.state.memory.type":
+        "tests/test_config_honesty.py::test_one_value_labels_accept_only_that_value_and_say_so",
     "environment.state.observation_fields":
         "tests/test_env_state_keys.py::test_each_observation_field_changes_the_observation_tokens",
     "environment.termination.max_turns_exceeded":
@@ -516,20 +518,24 @@ KEY_TESTS.update({
         "tests/test_env_customer_service.py::test_anti_hacking_disabled_and_custom_penalty",
     # rollout, buffer and components
     "rollout.scheduler.type": "tests/test_pipeline_queue.py::test_windowed_get_batch_waits_for_the_straggler",
-    "rollout.scheduler.window_size": "tests/test_pipeline_scheduler.py::test_plan_batch_slides_the_window_inside_a_batch",
+    "rollout.scheduler.window_size":
+        "tests/test_pipeline_scheduler.py::test_plan_batch_slides_the_window_inside_a_batch",
     "rollout.partial_rollout.enabled":
         "tests/test_engine.py::test_without_partial_rollout_an_update_waits_for_the_running_generations",
     "rollouter.partial_rollout": "tests/test_config.py::test_partial_rollout_switch_given_on_one_side_sets_both",
-    "rollout.partial_rollout.segment_length": "tests/test_engine.py::test_segment_length_spaces_the_interruption_points",
+    "rollout.partial_rollout.segment_length":
+        "tests/test_engine.py::test_segment_length_spaces_the_interruption_points",
     "rollout.partial_rollout.reuse_policy":
         "tests/test_pipeline_staleness.py::test_on_policy_segment_only_masks_the_older_segments",
     "rollout.worker.num_workers": "tests/test_pipeline_workers.py::test_pool_bounds_concurrent_env_steps",
-    "rollout.worker.max_concurrent_tasks": "tests/test_seed_keys.py::test_max_concurrent_tasks_bounds_the_groups_in_flight",
+    "rollout.worker.max_concurrent_tasks":
+        "tests/test_seed_keys.py::test_max_concurrent_tasks_bounds_the_groups_in_flight",
     "rollout.worker.task_timeout_s":
         "tests/test_seed_keys.py::test_task_timeout_and_retry_on_failure_decide_whether_an_episode_survives",
     "rollout.worker.retry_on_failure":
         "tests/test_seed_keys.py::test_task_timeout_and_retry_on_failure_decide_whether_an_episode_survives",
-    "buffer.stale_filter.enabled": "tests/test_pipeline_keys.py::test_stale_filter_drops_what_lags_more_than_max_policy_lag",
+    "buffer.stale_filter.enabled":
+        "tests/test_pipeline_keys.py::test_stale_filter_drops_what_lags_more_than_max_policy_lag",
     "buffer.stale_filter.max_policy_lag":
         "tests/test_pipeline_keys.py::test_stale_filter_drops_what_lags_more_than_max_policy_lag",
     "message_queue.max_queue_size": "tests/test_pipeline_queue.py::test_drop_oldest_at_capacity_by_hand",
@@ -539,7 +545,8 @@ KEY_TESTS.update({
     "message_queue.class": "tests/test_config_honesty.py::test_one_value_labels_accept_only_that_value_and_say_so",
     "trainer.ppo_mini_batch_size":
         "tests/test_seed_keys.py::test_ppo_mini_batch_size_times_require_batches_is_the_trainer_step",
-    "trainer.require_batches": "tests/test_seed_keys.py::test_ppo_mini_batch_size_times_require_batches_is_the_trainer_step",
+    "trainer.require_batches":
+        "tests/test_seed_keys.py::test_ppo_mini_batch_size_times_require_batches_is_the_trainer_step",
     "policy_optimization.rollout_allocation.max_rollouts_per_prompt":
         "tests/test_seed_keys.py::test_max_rollouts_per_prompt_caps_the_adaptive_allocation",
 })

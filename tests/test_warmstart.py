@@ -17,6 +17,7 @@ from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.warmstart import tiny_sft
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
 
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     path = build_tiny(tmp_path_factory.mktemp("tiny"), corpus=example_texts(100), num_hidden_layers=1,

@@ -85,8 +85,9 @@ def config(
     files: Annotated[list[Path] | None, typer.Argument(help="YAML config files, merged in order (later wins).")] = None,
     set_: Overrides = None,
     explain: Annotated[str | None, typer.Option(
-        "--explain", metavar="KEY", help="Describe KEY (e.g. policy_optimization.kl_control.horizon): what it does, "
-                                         "unit, allowed values, default, its value in FILES, the seed config naming it.")] = None,
+        "--explain", metavar="KEY",
+        help="Describe KEY (e.g. policy_optimization.kl_control.horizon): what it does, "
+             "unit, allowed values, default, its value in FILES, the seed config naming it.")] = None,
 ) -> None:
     """Validate and merge config FILES, then print the resolved config as YAML (secrets redacted), with a
     `# warning:` line for each value that cannot act within the run. --explain KEY describes one key instead."""
@@ -124,7 +125,8 @@ def _resume_command(files: list[Path], overrides: list[str] | None, run_dir: Pat
 def train(
     files: Files,
     set_: Overrides = None,
-    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where the run writes (default runs/<time>).")] = None,
+    run_dir: Annotated[Path | None,
+                       typer.Option("--run-dir", help="Where the run writes (default runs/<time>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in --run-dir.")] = False,
     allow_config_change: Annotated[list[str] | None, typer.Option(
         "--allow-config-change", help="With --resume: a key (or a prefix ending in '.') whose value may differ from "
@@ -134,7 +136,6 @@ def train(
 
     Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 130 / 143 stopped by SIGINT /
     SIGTERM after saving a checkpoint (resume with --resume)."""
-    import re
     import time
 
     from tether.learner.checkpoint import latest_checkpoint

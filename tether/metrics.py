@@ -26,8 +26,9 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tether.config.base import ConfigError
 

@@ -37,8 +37,9 @@ import hashlib
 import json
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from tether.agent.chat import ChatAssembler, TokenBuffer, observation_text
 from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
@@ -50,10 +51,10 @@ from tether.types import Segment, Task, Trajectory
 
 USER_TOOL = "respond_to_user"
 SUMMARY_PREFIX = "Earlier turns (summary): "
-_REGISTRY: dict[str, type["AgentLoopBase"]] = {}
+_REGISTRY: dict[str, type[AgentLoopBase]] = {}
 
 
-def register(name: str) -> Callable[[type["AgentLoopBase"]], type["AgentLoopBase"]]:
+def register(name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
     """Class decorator: make an agent loop selectable by ``agent_loop.name``."""
 
     def deco(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
@@ -65,7 +66,7 @@ def register(name: str) -> Callable[[type["AgentLoopBase"]], type["AgentLoopBase
     return deco
 
 
-def make_agent_loop(name: str, **kwargs: Any) -> "AgentLoopBase":
+def make_agent_loop(name: str, **kwargs: Any) -> AgentLoopBase:
     try:
         cls = _REGISTRY[name]
     except KeyError:
@@ -84,7 +85,7 @@ class LoopLimits:
     context_window: int = 32768  # tokens of prompt + response
 
     @classmethod
-    def from_config(cls, agent_loop: Any, context_window: int) -> "LoopLimits":
+    def from_config(cls, agent_loop: Any, context_window: int) -> LoopLimits:
         return cls(agent_loop.max_user_turns, agent_loop.max_assistant_turns, agent_loop.max_parallel_calls,
                    agent_loop.tool_selection, context_window)
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tether.env.tools import LIMITS, argument_problem, loads_arguments, text_problem
 

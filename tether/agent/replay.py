@@ -9,7 +9,8 @@ Trajectory with the exact token layout of an RL rollout, ready for supervised wa
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tether.agent.loop import USER_TOOL, LoopLimits, make_agent_loop
 from tether.engine.base import SamplingParams
@@ -45,7 +46,8 @@ def play_actions(env: Env, task: Task, policy: Callable[[Observation], Action],
 
 
 async def demonstrate(task: Task, make_env: Callable[[], Env], policy: Callable[[Observation], Action],
-                      tokenizer: Any, *, limits: LoopLimits, max_tokens: int = 256, parser: str = "hermes") -> Trajectory:
+                      tokenizer: Any, *, limits: LoopLimits, max_tokens: int = 256,
+                      parser: str = "hermes") -> Trajectory:
     """Play ``task`` with ``policy``, then replay it through the tool_agent loop; the two must agree."""
     actions, reward = play_actions(make_env(), task, policy, limits)
     engine = ScriptedEngine(tokenizer, [action_text(a) for a in actions])

@@ -23,7 +23,8 @@ Departures from the reference code, on purpose:
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 

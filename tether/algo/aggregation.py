@@ -33,7 +33,8 @@ verl passes the same global counts (``batch_num_tokens``, ``global_batch_size``)
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 

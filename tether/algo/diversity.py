@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 USER_TOOL = "respond_to_user"  # as agent/loop.py
 _NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")

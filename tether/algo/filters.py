@@ -18,7 +18,8 @@ The resampling loop belongs to the trainer; ``resample_or_drop`` is its decision
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 
 def group_reward_std(rewards: Sequence[float]) -> float:

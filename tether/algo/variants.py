@@ -9,15 +9,15 @@ The trainer reads it once; nothing here branches on the algorithm name.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from tether.algo.advantages import Normalization
 from tether.algo.aggregation import AggMode, aggregate
 from tether.algo.correction import ISMethod
-from tether.algo.losses import MAX_LOG_RATIO, Metrics, token_advantages, clipped_surrogate, importance_ratio
+from tether.algo.losses import MAX_LOG_RATIO, Metrics, clipped_surrogate, importance_ratio, token_advantages
 
 
 def gspo_surrogate(
@@ -166,7 +166,8 @@ class AlgorithmSpec:
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(
         clipped_surrogate, "seq_mean_token_mean", "group", 0.2, 0.2, False, kl_coef=0.04,
-        source="GRPO, Shao et al. 2024 (arXiv 2402.03300): per-sequence token mean, group std, ε = 0.2 (PPO's), k3 KL β = 0.04",
+        source="GRPO, Shao et al. 2024 (arXiv 2402.03300): per-sequence token mean, group std, ε = 0.2 (PPO's), "
+               "k3 KL β = 0.04",
     ),
     "dapo": AlgorithmSpec(
         clipped_surrogate, "token_mean", "group", 0.2, 0.28, True,

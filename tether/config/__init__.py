@@ -13,5 +13,5 @@ from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import ConfigError, CrossFieldError, Secret, Section, interpolate  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
 from tether.config.policy import *  # noqa: F401,F403
-from tether.config.sections import *  # noqa: F401,F403
 from tether.config.run import RunConfig, load_config  # noqa: F401
+from tether.config.sections import *  # noqa: F401,F403

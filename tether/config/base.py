@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import core_schema
 
 

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import core_schema
+from pydantic import Field, model_validator
 
 from tether.config.base import *  # noqa: F401,F403 — the shared types
 from tether.config.base import NonNegInt, PosInt, Section, Weight, _check  # noqa: F401

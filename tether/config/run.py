@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import core_schema
+from pydantic import BaseModel, model_validator
 
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401

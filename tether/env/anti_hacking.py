@@ -21,7 +21,8 @@ import json
 import re
 import threading
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 PATTERNS = ("repeated_tool_calls", "context_stuffing")
 

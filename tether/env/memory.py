@@ -14,8 +14,9 @@ is what the policy's context is cut in (``tether.agent.loop``, memory segments).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)

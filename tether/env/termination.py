@@ -20,8 +20,9 @@ says which (the seed's 20 > 5 × 2 is not reachable).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 RESOLVED = "user_issue_resolved"
 ESCALATED = "escalated"

@@ -31,8 +31,9 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ async def run_tool(tool: Tool, params: Any, rng: random.Random | None = None) ->
 
     try:
         value = await asyncio.wait_for(call(), timeout=tool.timeout_ms / 1e3)
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         return done(error_text(f"tool {tool.name} timed out after {tool.timeout_ms:g} ms"), True, latency=latency)
     except ToolError as e:
         return done(error_text(str(e)), True, latency=latency)

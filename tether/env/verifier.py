@@ -26,8 +26,9 @@ rule checks are evaluated in every case because ``success`` needs them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tether.env.anti_hacking import penalty_of
 from tether.env.memory import TurnRecord

@@ -82,7 +82,8 @@ from tether.types import Trajectory
 log = logging.getLogger(__name__)
 
 _LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "cispo_clip_ratio")  # from the policy loss
-_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}  # metrics that are a state, not an average
+# metrics that are a state, not an average
+_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}
 
 
 class Learner:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -16,7 +16,8 @@ is small: the async bound keeps it within ``max_staleness + 1`` sync intervals.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 class Ledger:

@@ -29,8 +29,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from tether.config import RunConfig
 from tether.metrics import record_metric

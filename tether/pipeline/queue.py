@@ -23,8 +23,9 @@ Thread-safe; ``put``/``abandon``/``*_nowait`` never block and are safe to call f
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from tether.pipeline.scheduler import Signal, StartOrder, plan_batch
 from tether.pipeline.staleness import oldest_version

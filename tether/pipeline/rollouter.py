@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tether.agent.loop import AgentLoopBase
 from tether.env.base import Env
@@ -157,12 +158,13 @@ class Rollouter:
                     env = EpisodeEnv(self.make_env(), self.workers)
                 except Exception as e:
                     raise EpisodeFailure("env", e) from e
-                run = self.agent_loop.run(task, env, seed=seed if attempt == 0 else episode_seed(seed, "retry", attempt))
+                attempt_seed = seed if attempt == 0 else episode_seed(seed, "retry", attempt)
+                run = self.agent_loop.run(task, env, seed=attempt_seed)
                 traj = await asyncio.wait_for(run, self.timeout_s)
                 if self.reuse_policy == "on_policy_segment_only":
                     record_metric("rollout/older_segment_tokens_masked", mask_older_segments(traj), "sum")
                 return traj
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reasons.append(f"timed out after {self.timeout_s} s")
                 cause = "timeout"
                 record_metric("rollout/episode_timeouts", 1, "sum")
@@ -195,7 +197,8 @@ class Rollouter:
     async def group(self, task: Task, group_size: int, seed: int) -> Group:
         """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work); the
         episodes that failed are left out, and RolloutError is raised only when all of them failed."""
-        results = await asyncio.gather(*(self._attempt(task, episode_seed(seed, task.id, i)) for i in range(group_size)))
+        attempts = (self._attempt(task, episode_seed(seed, task.id, i)) for i in range(group_size))
+        results = await asyncio.gather(*attempts)
         return Group(task.id, _survivors(task, results))
 
     async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int, *,

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable, Iterable, Literal, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal, TypeVar
 
 T = TypeVar("T")
 

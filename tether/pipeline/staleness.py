@@ -12,7 +12,8 @@ A group without any model token has no lag (``None``): there is nothing the poli
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 from tether.pipeline.scheduler import Signal
 from tether.types import Group, Trajectory

@@ -14,7 +14,8 @@ versions, as in verl's fully-async trainer and AReaL.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tether.metrics import record_metric
 

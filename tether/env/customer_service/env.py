@@ -34,10 +34,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tether.config import EnvironmentConfig, RunConfig
 from tether.env.anti_hacking import HackingDetector

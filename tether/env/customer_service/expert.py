@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tether.env.base import Action, Observation
 

@@ -26,7 +26,7 @@ resolved the episode, so a truncated one is worth at most the rule weights.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from collections.abc import Mapping
 
 from tether.env.customer_service.user_sim import communicates
 from tether.env.customer_service.world import World

@@ -14,7 +14,8 @@ count. An escalation is never settled by a message — only by the ``escalate_to
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tether.env.anti_hacking import numbers
 from tether.types import Task
