@@ -7,31 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import SMALL_RUN
 from tether.config import load_config
-from tether.env.customer_service import example_texts
-from tether.learner.model import build_tiny
 from tether.pipeline.trainer import train
-
-CONFIG = """
-environment: {num_train_tasks: 20, num_eval_tasks: 4}
-engine: {max_tokens: 12, temperature: 1.0}
-agent_loop: {max_assistant_turns: 2, max_user_turns: 2}
-learner: {batch_size: 8, mini_batch_size: 8, gradient_accumulation_steps: 1, update_frequency: 1}
-policy_optimization:
-  advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}
-  optimizer: {lr: 1e-3, warmup_steps: 0}
-trainer: {total_steps: 3, eval_every: 0, save_every: 3, seed: 3, trigger_parameter_sync_step: 1}
-metrics: {tensorboard: false}
-"""
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("modes")
-    model = build_tiny(root / "model", corpus=example_texts(100), num_hidden_layers=1, hidden_size=32,
-                       intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-    (root / "cfg.yaml").write_text(CONFIG)
-    return root, model
+    (root / "cfg.yaml").write_text(SMALL_RUN)
+    return root, tiny_model
 
 
 def run(setup, name, *overrides):

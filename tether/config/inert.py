@@ -117,7 +117,7 @@ def _explicit(cfg: RunConfig) -> set[str]:
     def walk(model: BaseModel, prefix: str) -> None:
         for name in model.model_fields_set:
             value = getattr(model, name)
-            key = f"{prefix}{model.model_fields[name].alias or name}"
+            key = f"{prefix}{type(model).model_fields[name].alias or name}"
             if isinstance(value, BaseModel):
                 walk(value, key + ".")
             else:
