@@ -65,6 +65,11 @@ def inert_values(cfg: RunConfig) -> list[str]:
         if "trainer.use_trainer_do_validate" in set_here:
             out.append("trainer.use_trainer_do_validate acts in the async modes only: in sync mode the rollout engine "
                        "holds the trainer's weights at every evaluation, so both choices evaluate the same weights")
+    if cfg.trainer.deterministic and cfg.rollout.mode != "sync":
+        out.append(f"trainer.deterministic = true in {cfg.rollout.mode}: every request is computed on its own (the "
+                   "engine's batching cost is paid), but which weights a group is generated with still depends on "
+                   "the rollouter's and trainer's timing, so two runs repeat only when that timing does "
+                   "(docs/determinism.md)")
     opc = cfg.learner.off_policy_correction
     if opc.method == "truncated_importance_sampling" and not opc.tis_enabled:
         out.append("learner.off_policy_correction.tis_enabled = false has no effect with method "
