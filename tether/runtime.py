@@ -81,8 +81,8 @@ def model_path(cfg: RunConfig) -> str:
 
         return cached_build(cache_dir() / f"tiny-sft-{cache_key(cfg)}",
                             lambda tmp: build_tiny_sft(cfg, tmp, log=lambda m: say(f"[tiny-sft] {m}")),
-                            what="tiny-sft", note=", a few minutes on a CPU: the tiny model warm-started on the "
-                                                  "customer-service expert's demonstrations")
+                            what="tiny-sft", note=", a few minutes on 2 idle cores, longer on a busy machine: the tiny "
+                                                  "model warm-started on the customer-service expert's demonstrations")
     from tether.learner.model import ensure_tiny
 
     return ensure_tiny(cache_dir(), corpus=example_texts(400), seed=cfg.trainer.seed)
