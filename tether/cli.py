@@ -277,5 +277,46 @@ def eval_(
             typer.echo(f"{k:40s} {v:.4f}")
 
 
+@app.command()
+def serve(
+    checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder, e.g. RUN/checkpoints/step_N.")],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on; 0 = any free one.")] = 8000,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", metavar="VAR", help="Require 'Authorization: Bearer <key>', the key read from the "
+                                             "environment variable VAR at start.")] = None,
+    config_files: Annotated[list[Path] | None, typer.Option(
+        "--config", help="Config file(s): model.dtype, engine.max_batch_size, rollout.partial_rollout, "
+                         "tool_parser (name, stop_token_ids), trainer.seed.")] = None,
+    set_: Overrides = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The model id clients send (default: the checkpoint folder's name).")] = None,
+) -> None:
+    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (chat and text completions, token ids in and out,
+    weight updates) on the local engine; prints the address, runs until Ctrl-C. Exit 2 on bad input."""
+    import os
+
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if api_key is None:
+            raise fail(f"--api-key-env {api_key_env}: the variable {api_key_env} is not set in this process")
+        if not api_key.strip():
+            raise fail(f"--api-key-env {api_key_env}: the variable {api_key_env} is empty")
+    cfg = load_or_exit(config_files or [], set_)
+    if not (checkpoint / "config.json").is_file():
+        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass a Hugging Face model folder")
+    check_weights(checkpoint)
+    from tether.serve import serve as run_server
+
+    try:
+        run_server(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
+                   api_key_env=api_key_env)
+    except OSError as e:  # the port is taken, the host is not an address of this machine
+        raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except (ConfigError, ValueError) as e:
+        raise fail(str(e)) from None
+
+
 if __name__ == "__main__":  # python -m tether.cli
     app()

@@ -1,0 +1,166 @@
+"""The protocol's cost: `tether serve` under 64 concurrent chat requests vs the same engine called in-process.
+
+Workload: ``--requests`` chat requests (system prompt, two tools, one user message), at most ``--concurrency`` in
+flight at once (a new one starts when one returns), each with its own budget (max_tokens drawn between 8 and 128,
+greedy, end-of-turn ignored, so every request produces exactly its budget on both sides).
+
+- server: the real command, ``tether serve MODEL --port 0`` in a subprocess (``OMP_NUM_THREADS=--threads``),
+  driven by the official ``openai.AsyncOpenAI`` client from this process: HTTP, JSON, chat-template rendering,
+  decoding and tool-call parsing on the server, response parsing in the client.
+- local: a ``LocalEngine`` (same model, threads and batch size) in this process, each request rendered with the
+  chat template and its output decoded, as the agent loop does; no HTTP.
+
+Latency is per request, from its start to its parsed response. The ratio server/local of tokens/s is what the
+OpenAI-compatible boundary costs on this machine. Usage:
+
+    python benchmarks/serve_throughput.py [--threads 2] [--requests 192] [--concurrency 64] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tether.agent.chat import render_ids
+from tether.engine.base import SamplingParams
+from tether.engine.local import LocalEngine
+from tether.learner import ensure_tiny, load_model_and_tokenizer
+from tether.learner.tiny import tool_schema
+
+USER_ASKS = ["Where is my order ORD-{n}?", "Is SKU-{n} in stock?", "Can you help me?",
+             "I want a refund for order ORD-{n}, it arrived damaged.",
+             "Please check order ORD-{n} and tell me when it ships."]
+TOOLS = [tool_schema("query_inventory"), tool_schema("check_refund_policy")]
+
+
+def workload(requests: int, seed: int = 0) -> list[tuple[list[dict], int]]:
+    rng = random.Random(seed)
+    return [([{"role": "system", "content": "You are a customer support agent."},
+              {"role": "user", "content": rng.choice(USER_ASKS).format(n=rng.randint(1000, 99999))}],
+             rng.randint(8, 128)) for _ in range(requests)]
+
+
+async def bounded(jobs: list, concurrency: int, run) -> tuple[list[float], int, float]:
+    """Run ``run(job)`` (returns generated tokens) for every job, ``concurrency`` at a time; latencies, tokens,
+    wall seconds."""
+    gate = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+
+    async def one(job) -> int:
+        async with gate:
+            t0 = time.perf_counter()
+            tokens = await run(job)
+            latencies.append(time.perf_counter() - t0)
+            return tokens
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(j) for j in jobs)))
+    return latencies, tokens, time.perf_counter() - start
+
+
+def run_local(path: str, jobs, threads: int, concurrency: int, max_batch: int):
+    model, tokenizer = load_model_and_tokenizer(path)
+
+    async def run(job) -> int:
+        messages, budget = job
+        prompt = render_ids(tokenizer, messages, TOOLS, add_generation_prompt=True)
+        out = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=budget))
+        tokenizer.decode(out.token_ids, skip_special_tokens=False)
+        assert len(out.token_ids) == budget
+        return len(out.token_ids)
+
+    with LocalEngine(model, num_threads=threads, max_batch=max_batch) as engine:
+        asyncio.run(bounded(jobs[:8], concurrency, run))  # warm-up
+        return asyncio.run(bounded(jobs, concurrency, run))
+
+
+def start_server(path: str, threads: int, max_batch: int, log: Path) -> tuple[subprocess.Popen, int]:
+    config = log.with_suffix(".yaml")
+    config.write_text(f"engine: {{max_batch_size: {max_batch}}}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "serve", path, "--port", "0", "--served-model-name",
+                             "bench", "--config", str(config)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        text = log.read_text()
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", text)
+        if found and "Application startup complete" in text:
+            return proc, int(found.group(1))
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"tether serve did not start:\n{text}")
+        time.sleep(0.2)
+
+
+def run_server(port: int, jobs, concurrency: int):
+    import httpx
+    from openai import AsyncOpenAI
+
+    async def main():
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=600, http_client=httpx.AsyncClient(limits=limits, trust_env=False)) as client:
+
+            async def run(job) -> int:
+                messages, budget = job
+                r = await client.chat.completions.create(model="bench", messages=messages, tools=TOOLS,
+                                                         max_tokens=budget, temperature=0.0,
+                                                         extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == budget, (r.usage.completion_tokens, budget)
+                return r.usage.completion_tokens
+
+            await bounded(jobs[:8], concurrency, run)  # warm-up
+            return await bounded(jobs, concurrency, run)
+
+    return asyncio.run(main())
+
+
+def summary(name: str, latencies: list[float], tokens: int, wall: float) -> float:
+    q = statistics.quantiles(latencies, n=100)
+    rate = tokens / wall
+    print(f"{name:7s} {len(latencies):5d} req {tokens:7d} tok {wall:7.2f} s {rate:8.0f} tok/s "
+          f"{len(latencies) / wall:6.1f} req/s   latency p50 {statistics.median(latencies):6.2f} s  p99 {q[98]:6.2f} s")
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=192)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=64, help="engine.max_batch_size (both sides)")
+    ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    path = args.model or ensure_tiny(Path(tempfile.gettempdir(), "tether-tiny"))
+    jobs = workload(args.requests)
+    print(f"model: {path}; threads: {args.threads}; {args.requests} chat requests, {args.concurrency} concurrent, "
+          f"{sum(b for _, b in jobs)} tokens requested (8-128 each, greedy, end-of-turn ignored)")
+
+    local = run_local(path, jobs, args.threads, args.concurrency, args.max_batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve.log")
+        try:
+            served = run_server(port, jobs, args.concurrency)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    local_rate = summary("local", *local)
+    served_rate = summary("server", *served)
+    print(f"ratio server/local tokens/s = {served_rate / local_rate:.2f}")
+
+
+if __name__ == "__main__":
+    main()

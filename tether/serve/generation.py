@@ -1,0 +1,287 @@
+"""From a request to finished choices: prompt ids, sampling parameters, the engine call, stops and logprobs.
+
+Chat prompts are rendered by the tokenizer's chat template with the request's tools, and the model's text is
+decoded and parsed for tool calls exactly as the agent loop does in training (``tether.agent.chat.render_ids``,
+``decode(..., skip_special_tokens=False)`` without the final stop id, the configured ``tool_parser``), so a served
+policy sees the prompts and is read the way it was trained. Assistant tool calls in the history carry their
+``arguments`` as a JSON string on the wire; they are parsed back to objects before rendering, as the agent loop
+holds them (vLLM does the same), so a conversation renders to the same tokens either way.
+
+Token-level fields (``token_ids``, logprobs, ``weight_versions``) are the engine's, stop id included; the text
+leaves the final stop id out. A stop *string* is matched on the decoded text: the text is cut before it and the
+token fields after the token that completed it. A stop string that is one token of the vocabulary also becomes a
+stop id, so the engine ends there instead of running on to ``max_tokens``.
+
+Logprobs are those of the sampling distribution, ``log_softmax(logits / T)`` (T = 1 when greedy), before top-p:
+what the engine returns and what the trainer recomputes. The engine returns the sampled token's logprob only, so
+``top_logprobs`` come from one teacher-forced forward pass of the served model over the finished sequence (under
+the lock that weight updates take): equal to the sampling distribution's up to float error, unless a weight update
+arrived during the generation, in which case they are the new weights'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tether.agent.chat import render_ids
+from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+@dataclass
+class Choice:
+    """One finished generation, cut at a stop string when one matched."""
+
+    token_ids: list[int]  # engine ids (stop id included)
+    logprobs: list[float]  # [len(token_ids)]
+    versions: list[int]  # [len(token_ids)]
+    text_ids: list[int]  # the ids whose text is shown: token_ids without a final stop id
+    text: str
+    finish_reason: str  # stop | length | abort
+    stop_reason: int | str | None
+    num_preempted: int
+    top: list[list[tuple[int, float]]] | None = None  # [len(token_ids)] (id, logprob) alternatives, best first
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character standing for each byte → the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+    return {i for i in ids if isinstance(i, int)}
+
+
+class Generator:
+    """Turns requests into engine calls for one served model. ``model`` (optional) is the engine's torch module:
+    it provides ``max_model_len``, the vocabulary size and the ``top_logprobs`` forward pass."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, *, model: Any = None, parser: str = "hermes",
+                 extra_stop_ids: tuple[int, ...] = ()):
+        from tether.agent.parsers import get_parser
+
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.parse = get_parser(parser)
+        config = getattr(model, "config", None)
+        self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
+        self.vocab_size: int = getattr(config, "vocab_size", None) or len(tokenizer)
+        self.eos_ids = _eos_ids(tokenizer, model)
+        im_end = tokenizer.get_vocab().get("<|im_end|>")
+        # The agent loop's end-of-turn ids (tether.agent.loop.AgentLoopBase) plus tool_parser.stop_token_ids.
+        self.chat_stop_ids = self.eos_ids | ({im_end} if im_end is not None else set()) | set(extra_stop_ids)
+        self._added = set(tokenizer.get_added_vocab())
+        self.model_lock = threading.Lock()  # held by top_logprobs forward passes and by weight updates
+
+    # --- prompts ---------------------------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[Any], tools: list[Any] | None) -> list[int]:
+        msgs = [_message_dict(m) for m in messages]
+        schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        try:
+            return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 — jinja errors: a template that cannot render this conversation
+            raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})",
+                           param=param)
+        if self.max_model_len is not None and len(ids) >= self.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                                f"{self.max_model_len} tokens, shared by the prompt and the completion",
+                           param=param, code="context_length_exceeded")
+
+    def max_new(self, requested: int | None, prompt_len: int) -> int:
+        room = None if self.max_model_len is None else self.max_model_len - prompt_len
+        if requested is None:
+            return room if room is not None else 1024
+        if room is not None and requested > room:
+            raise APIError(400, f"max_tokens is {requested} but the prompt has {prompt_len} tokens; this model's "
+                                f"maximum context length is {self.max_model_len} tokens (at most {room} new ones)",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    # --- generation ------------------------------------------------------------------------------------------
+
+    def stops(self, req: Any, defaults: set[int]) -> tuple[tuple[int, ...], list[str]]:
+        """Stop ids (defaults unless ``ignore_eos``, the request's, one-token stop strings) and stop strings."""
+        strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in strings):
+            raise APIError(400, "a stop string is empty", param="stop")
+        ids = set() if req.ignore_eos else set(defaults)
+        ids |= set(req.stop_token_ids or [])
+        for s in strings:
+            one = self.encode(s)
+            if len(one) == 1:
+                ids.add(one[0])
+        bad = sorted(i for i in ids if i >= self.vocab_size)
+        if bad:
+            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})",
+                           param="stop_token_ids")
+        return tuple(sorted(ids)), strings
+
+    def choices(self, prompt: list[int], params: SamplingParams, *, n: int, strings: list[str], top_k: int,
+                skip_special_tokens: bool) -> list[Coroutine[Any, Any, Choice]]:
+        """``n`` choices of ``prompt``, one engine request each (choice i seeded ``seed + i``), to be awaited
+        together: the engine batches them with every other request."""
+        if top_k and self.model is None:
+            raise APIError(400, "top_logprobs need the served model's logits; this server's engine has no model",
+                           param="top_logprobs")
+        seeds = [None if params.seed is None else params.seed + i for i in range(n)]
+        return [self._choice(prompt, replace(params, seed=s), strings, top_k, skip_special_tokens) for s in seeds]
+
+    async def _choice(self, prompt: list[int], params: SamplingParams, strings: list[str], top_k: int,
+                      skip: bool) -> Choice:
+        choice = self._finish(await self._one(prompt, params), params, strings, skip)
+        if top_k and choice.token_ids:
+            choice.top = await asyncio.to_thread(self._top, prompt, choice.token_ids, params.temperature, top_k)
+        elif top_k:
+            choice.top = []
+        return choice
+
+    async def _one(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
+        try:
+            return await self.engine.generate(prompt, params)
+        except ValueError as e:  # the engine refused the request (prompt length, parameters)
+            raise APIError(400, str(e)) from None
+
+    def _finish(self, out: GenerationResult, params: SamplingParams, strings: list[str], skip: bool) -> Choice:
+        ids, lps = list(out.token_ids), list(out.logprobs)
+        versions = list(out.versions) or [self.engine.version] * len(ids)
+        reason: str = out.finish_reason
+        stopped_by = ids[-1] if reason == "stop" and ids and ids[-1] in params.stop_token_ids else None
+        text_ids = ids[:-1] if stopped_by is not None else ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=skip)
+        stop_reason: int | str | None = None if stopped_by in self.eos_ids else stopped_by
+        hits = [(text.find(s), s) for s in strings if s in text]
+        if hits:
+            cut, s = min(hits)
+            k = self._first_prefix_with(text_ids, strings, skip)
+            ids, lps, versions, text_ids = ids[:k], lps[:k], versions[:k], text_ids[:k]
+            text, reason, stop_reason = text[:cut], "stop", s
+        return Choice(ids, lps, versions, text_ids, text, reason, stop_reason, out.num_preempted)
+
+    def _first_prefix_with(self, ids: list[int], strings: list[str], skip: bool) -> int:
+        """The fewest leading ids whose text contains one of ``strings`` (binary search: containment only grows)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self.tokenizer.decode(ids[:mid], skip_special_tokens=skip)
+            if any(s in text for s in strings):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def _top(self, prompt: list[int], ids: list[int], temperature: float, k: int) -> list[list[tuple[int, float]]]:
+        seq = torch.tensor([prompt + ids[:-1]], device=self.model.device)
+        with self.model_lock, torch.inference_mode():
+            logits = self.model(input_ids=seq).logits[0, len(prompt) - 1:].float()  # [len(ids), V]
+        logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+        values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        return [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+
+    # --- text views ------------------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: byte-level BPE pieces mapped back (a piece of a multi-byte character is not
+        valid UTF-8 on its own); other tokens as the UTF-8 of their text."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece not in self._added:
+            try:
+                return [_BYTE_OF[ch] for ch in piece]
+            except KeyError:
+                pass
+        return list(self.token_text(token_id).encode("utf-8"))
+
+    def pieces(self, ids: list[int], skip: bool) -> list[str]:
+        """The text each token adds when decoding incrementally ("" while a multi-byte character is incomplete):
+        a window of the last tokens is re-decoded, as streaming detokenizers do."""
+        out, prefix, read = [], 0, 0
+        for j in range(len(ids)):
+            before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+            after = self.tokenizer.decode(ids[prefix:j + 1], skip_special_tokens=skip)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                out.append(after[len(before):])
+                prefix, read = read, j + 1
+            else:
+                out.append("")
+        return out
+
+
+def sampling_params(req: Any, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    """Refuse the OpenAI fields tether does not implement unless neutral; the engine's SamplingParams."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported by tether serve (only 0): the engine samples from the "
+                                f"policy's own distribution, which training relies on", param=name)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by tether serve", param="logit_bias")
+    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
+                          stop_token_ids=stop_ids, seed=req.seed)
+
+
+def _message_dict(m: Any) -> dict[str, Any]:
+    """A request message as the agent loop holds it: text content, tool-call arguments as objects."""
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    return msg
+
+
+def _arguments(args: str | dict[str, Any]) -> Any:
+    if isinstance(args, dict):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args  # not JSON: rendered as the model wrote it

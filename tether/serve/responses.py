@@ -1,0 +1,249 @@
+"""Finished choices → OpenAI response bodies and server-sent-event streams.
+
+Streaming follows OpenAI's chunk format (``chat.completion.chunk`` / ``text_completion`` objects as ``data:`` lines,
+a ``data: [DONE]`` line last, the usage in a last chunk with no choices when ``stream_options.include_usage``).
+The engine protocol returns a generation when it is finished, so a stream sends each choice's role chunk at
+once and its text when the choice is done (token by token, each token with its logprobs), choices in the order
+they finish. A failure after the stream has started is sent as one ``data: {"error": ...}`` line before
+``[DONE]``, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tether.serve.generation import APIError, Choice, Generator
+from tether.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    FunctionCallOut,
+    TokenLogprob,
+    ToolCallOut,
+    TopLogprob,
+    Usage,
+)
+
+Coros = list[Coroutine[Any, Any, Choice]]
+
+
+async def gather(runs: list[Coros]) -> list[list[Choice]]:
+    """Await every choice of every prompt together; on a failure the others are cancelled."""
+    tasks = [[asyncio.ensure_future(c) for c in run] for run in runs]
+    flat = [t for run in tasks for t in run]
+    try:
+        await asyncio.gather(*flat)
+    except BaseException:
+        for t in flat:
+            t.cancel()
+        raise
+    return [[t.result() for t in run] for run in tasks]
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> Usage:
+    completion = sum(len(c.token_ids) for c in choices)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_event(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        error = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    else:
+        error = {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error", "param": None,
+                 "code": None}
+    return _sse({"error": error})
+
+
+async def _as_finished(runs: list[Coros]) -> AsyncIterator[tuple[int, int, Choice]]:
+    """(prompt index, choice index, choice) in the order the choices finish; the rest cancelled on exit."""
+
+    async def indexed(p: int, i: int, coro: Coroutine[Any, Any, Choice]) -> tuple[int, int, Choice]:
+        return p, i, await coro
+
+    tasks = [asyncio.ensure_future(indexed(p, i, c)) for p, run in enumerate(runs) for i, c in enumerate(run)]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            yield await next_done
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ------------------------------------------------------------------------------------------------------ chat
+
+
+@dataclass
+class ChatView:
+    """How a chat choice is shown: tool calls parsed or not, logprobs or not."""
+
+    gen: Generator
+    parse_tools: bool
+    first_call_only: bool  # parallel_tool_calls: false
+    logprobs: bool
+
+    def message(self, c: Choice) -> tuple[AssistantMessage, str]:
+        """The assistant message and finish reason. Text with no valid tool call (a malformed one included) is
+        returned as the model wrote it."""
+        if self.parse_tools:
+            turn = self.gen.parse(c.text)
+            calls = turn.calls[:1] if self.first_call_only else turn.calls
+            if calls:
+                out = [ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}",
+                                   function=FunctionCallOut(name=call.name,
+                                                            arguments=json.dumps(call.arguments, ensure_ascii=False)))
+                       for call in calls]
+                return AssistantMessage(content=turn.content or None, tool_calls=out), "tool_calls"
+        return AssistantMessage(content=c.text), c.finish_reason
+
+    def entries(self, c: Choice, start: int = 0, stop: int | None = None) -> list[TokenLogprob]:
+        """Logprob entries of the shown tokens ``start:stop`` (the final stop id is not shown)."""
+        stop = len(c.text_ids) if stop is None else stop
+        out = []
+        for j in range(start, stop):
+            tid = c.text_ids[j]
+            top = [TopLogprob(token=self.gen.token_text(i), logprob=v, bytes=self.gen.token_bytes(i))
+                   for i, v in (c.top[j] if c.top else [])]
+            out.append(TokenLogprob(token=self.gen.token_text(tid), logprob=c.logprobs[j],
+                                    bytes=self.gen.token_bytes(tid), top_logprobs=top))
+        return out
+
+    def deltas(self, c: Choice) -> Iterator[tuple[dict[str, Any], list[TokenLogprob]]]:
+        """(delta, logprob entries) chunks of one finished choice: text token by token, or content then calls."""
+        msg, _ = self.message(c)
+        if msg.tool_calls:
+            if msg.content:
+                yield {"content": msg.content}, []
+            calls = [{"index": k, **call.model_dump()} for k, call in enumerate(msg.tool_calls)]
+            yield {"tool_calls": calls}, self.entries(c) if self.logprobs else []
+            return
+        text, shown, start = c.text, "", 0
+        for j, piece in enumerate(self.gen.pieces(c.text_ids, skip=False)):
+            if not piece:
+                continue
+            if not text.startswith(shown + piece):  # a stop string cut the text inside this piece
+                break
+            shown += piece
+            yield {"content": piece}, self.entries(c, start, j + 1) if self.logprobs else []
+            start = j + 1
+        if len(shown) < len(text) or (self.logprobs and start < len(c.text_ids)):
+            yield {"content": text[len(shown):]}, self.entries(c, start) if self.logprobs else []
+
+
+def _chat_choice(view: ChatView, i: int, c: Choice, return_token_ids: bool) -> ChatChoice:
+    msg, reason = view.message(c)
+    return ChatChoice(index=i, message=msg, finish_reason=reason, stop_reason=c.stop_reason,
+                      logprobs=ChoiceLogprobs(content=view.entries(c)) if view.logprobs else None,
+                      token_ids=c.token_ids if return_token_ids else None, weight_versions=c.versions,
+                      num_preempted=c.num_preempted)
+
+
+def chat_response(view: ChatView, choices: list[Choice], *, ident: str, created: int, model: str,
+                  prompt: list[int], return_token_ids: bool) -> ChatCompletionResponse:
+    return ChatCompletionResponse(
+        id=ident, created=created, model=model, usage=_usage(len(prompt), choices),
+        choices=[_chat_choice(view, i, c, return_token_ids) for i, c in enumerate(choices)],
+        prompt_token_ids=prompt if return_token_ids else None)
+
+
+async def chat_stream(view: ChatView, run: Coros, *, ident: str, created: int, model: str, prompt: list[int],
+                      include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices, **extra})
+
+    done: list[Choice] = []
+    try:
+        for i in range(len(run)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for _, i, c in _as_finished([run]):
+            done.append(c)
+            for delta, entries in view.deltas(c):
+                logprobs = {"content": [e.model_dump() for e in entries]} if view.logprobs else None
+                yield chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            final = _chat_choice(view, i, c, return_token_ids)
+            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason,
+                          "stop_reason": c.stop_reason, "token_ids": final.token_ids,
+                          "weight_versions": c.versions, "num_preempted": c.num_preempted}])
+        if include_usage:
+            yield chunk([], usage=_usage(len(prompt), done).model_dump(),
+                        **({"prompt_token_ids": prompt} if return_token_ids else {}))
+    except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
+        yield _error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------------------------- completions
+
+
+def _completion_logprobs(gen: Generator, c: Choice, k: int) -> CompletionLogprobs:
+    tokens = [gen.token_text(t) for t in c.token_ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(min(at, len(c.text)))
+        at += len(t)
+    top = None
+    if k and c.top is not None:
+        top = []
+        for alternatives in c.top:
+            row: dict[str, float] = {}
+            for i, v in alternatives:  # two ids can decode to one string: keep the likelier
+                row[gen.token_text(i)] = max(v, row.get(gen.token_text(i), float("-inf")))
+            top.append(row)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, top_logprobs=top, text_offset=offsets)
+
+
+def _completion_choice(gen: Generator, index: int, c: Choice, prompt: list[int], logprobs: int | None,
+                       return_token_ids: bool) -> CompletionChoice:
+    return CompletionChoice(
+        index=index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        logprobs=None if logprobs is None else _completion_logprobs(gen, c, logprobs),
+        prompt_token_ids=prompt if return_token_ids else None, token_ids=c.token_ids if return_token_ids else None,
+        weight_versions=c.versions, num_preempted=c.num_preempted)
+
+
+def completion_response(gen: Generator, choices: list[list[Choice]], prompts: list[list[int]], *, ident: str,
+                        created: int, model: str, logprobs: int | None,
+                        return_token_ids: bool) -> CompletionResponse:
+    """Choice ``p * n + i`` is the i-th of prompt p, as OpenAI numbers a batch."""
+    out = [_completion_choice(gen, p * len(run) + i, c, prompts[p], logprobs, return_token_ids)
+           for p, run in enumerate(choices) for i, c in enumerate(run)]
+    completion = sum(len(c.token_ids) for run in choices for c in run)
+    usage = Usage(prompt_tokens=sum(map(len, prompts)), completion_tokens=completion,
+                  total_tokens=sum(map(len, prompts)) + completion)
+    return CompletionResponse(id=ident, created=created, model=model, choices=out, usage=usage)
+
+
+async def completion_stream(gen: Generator, runs: list[Coros], prompts: list[list[int]], *, n: int, ident: str,
+                            created: int, model: str, logprobs: int | None, return_token_ids: bool,
+                            include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": ident, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices, **extra})
+
+    completion = 0
+    try:
+        async for p, i, c in _as_finished(runs):
+            completion += len(c.token_ids)
+            yield chunk([_completion_choice(gen, p * n + i, c, prompts[p], logprobs, return_token_ids).model_dump()])
+        if include_usage:
+            prompt_tokens = sum(map(len, prompts))
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                          total_tokens=prompt_tokens + completion)
+            yield chunk([], usage=usage.model_dump())
+    except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
+        yield _error_event(e)
+    yield "data: [DONE]\n\n"

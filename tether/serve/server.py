@@ -1,0 +1,117 @@
+"""Running the app: ``serve`` (the ``tether serve`` command, blocking) and ``ServerThread`` (in-process, for tests
+and for a co-located trainer).
+
+Both bind the listening socket themselves before uvicorn starts, so port 0 picks a free port without a race and
+the actual address is known (``serve`` prints it; ``ServerThread.base_url``).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from tether.config import RunConfig
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 = any free port); OSError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None) -> tuple[FastAPI, Any]:
+    """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
+    settings) and the engine, which the caller closes."""
+    from tether.learner.model import load_model_and_tokenizer
+    from tether.runtime import local_engine
+    from tether.serve.app import make_app
+
+    model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
+    if cfg.engine.type != "local":  # the server *is* the local engine, whatever the training config rolls out with
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"type": "local"})})
+    engine = local_engine(cfg, model)
+    del model  # the engine has its own copy
+    app = make_app(engine, tokenizer, model_name=model_name, parser=cfg.tool_parser.name,
+                   extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key)
+    return app, engine
+
+
+def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
+          model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
+          log: Callable[[str], None] | None = None) -> None:
+    """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
+    fails at once, OSError); ``api_key_env`` only names the key's variable in the start message."""
+    import uvicorn
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    sock = bind(host, port)
+    name = model_name or Path(checkpoint).name
+    app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key)
+    try:
+        actual = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        auth = f"; bearer key from ${api_key_env} required" if api_key_env else "; no key required"
+        log(f"serving model {name!r} ({checkpoint}, weight version {engine.version}) on "
+            f"http://{shown}:{actual}/v1{auth}")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+
+
+class ServerThread:
+    """``app`` served by uvicorn in a background thread on ``host`` (a free port unless given).
+
+    >>> with ServerThread(app) as server:
+    ...     OpenAI(base_url=server.base_url + "/v1", api_key="...")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="tether-serve", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.base_url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
