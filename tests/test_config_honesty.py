@@ -32,8 +32,6 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 # (--set override, the key the message names, the words that say what is missing)
 REFUSED = [
-    ("llm_client.base_url=http://localhost:8000/v1", "`llm_client.base_url` (--set)", "OpenAI-compatible client"),
-    ("llm_client.timeout_s=5", "`llm_client.timeout_s` (--set)", "OpenAI-compatible client"),
     ("resource_pool.trainer_pool.num_gpus=0", "`resource_pool.trainer_pool.num_gpus` (--set)", "Ray backend"),
     ("actor_worker.strategy=fsdp", "`actor_worker.strategy` (--set)", "Ray backend"),
     ("backend=ray", "`backend` = 'ray' (--set)", "Ray backend is not built"),

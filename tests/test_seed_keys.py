@@ -487,10 +487,13 @@ KEY_TESTS.update({
     "agent_loop.tool_selection": "tests/test_env_state_keys.py::test_per_sample_and_all_give_different_prompts",
     "tool_parser.name": "tests/test_seed_keys.py::test_tool_parser_name_changes_what_counts_as_a_call",
     "tool_parser.stop_token_ids": "tests/test_engine.py::test_stop_ids_and_max_tokens",
-    # refused until the OpenAI-compatible client and the Ray backend exist
+    # the OpenAI-compatible client: each key flipped, the request (server, key, model) changes
+    **{k: "tests/test_llm_client.py::test_llm_client_section_base_url_api_key_and_model_decide_the_request"
+       for k in ("llm_client.base_url", "llm_client.api_key", "llm_client.model")},
+    # refused until the Ray backend exists
     **{k: "tests/test_config.py::test_each_seed_file_loads_or_names_its_unbuilt_keys" for k in (
-        "llm_client.base_url", "llm_client.api_key", "llm_client.model", "resource_pool.trainer_pool.num_gpus",
-        "resource_pool.rollout_pool.num_gpus", "actor_worker.class", "actor_worker.strategy")},
+        "resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus", "actor_worker.class",
+        "actor_worker.strategy")},
     # environment
     "environment.name": "tests/test_seed_keys.py::test_environment_name_selects_the_environment",
     "environment.action_space":

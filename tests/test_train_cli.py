@@ -76,7 +76,7 @@ def test_train_writes_the_run_directory_and_changes_parameters(setup, monkeypatc
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     text = "".join(p.read_text(errors="ignore") for p in run.rglob("*") if p.is_file() and p.suffix in
                    {".yaml", ".jsonl", ".json"})
-    assert "sk-do-not-leak-123" not in text  # (llm_client, the one section with a secret, is refused until built)
+    assert "sk-do-not-leak-123" not in text  # set in the environment: no file of the run may hold it
 
 
 def test_resume_continues_at_the_next_step_without_retraining_a_batch(setup):

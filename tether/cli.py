@@ -318,5 +318,69 @@ def serve(
         raise fail(str(e)) from None
 
 
+@app.command()
+def ping(
+    config_files: Annotated[list[Path] | None, typer.Option(
+        "--config", help="Config file(s) whose llm_client section names the endpoint.")] = None,
+    base_url: Annotated[str | None, typer.Option(
+        "--base-url", help="Endpoint, ending in /v1 (overrides llm_client.base_url).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model id (overrides llm_client.model).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        "--api-key-env", metavar="VAR", help="Environment variable holding the key, read now and never printed "
+                                             "(overrides llm_client.api_key).")] = None,
+    set_: Overrides = None,
+) -> None:
+    """One chat request to the llm_client endpoint ("ping", max_tokens 8, no retries): prints the reply and the
+    latency, or what to check. Exit 0 ok, 1 endpoint fault, 2 bad config or environment."""
+    import asyncio
+    import json
+    import time
+
+    from tether.llm import BadRequest, LLMClient, LLMError, MalformedResponse
+    from tether.llm.errors import display_url
+
+    overrides = list(set_ or [])
+    if api_key_env is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
+            raise fail(f"--api-key-env {api_key_env!r}: expected an environment variable name, not a value")
+        overrides.append(f"llm_client.api_key=${{{api_key_env}}}")
+    for key, value in (("base_url", base_url), ("model", model)):
+        if value is not None:
+            overrides.append(f"llm_client.{key}={json.dumps(value)}")  # quoted: the value stays a string
+    cfg = load_or_exit(config_files or [], overrides)
+    section = cfg.llm_client
+    if section.base_url == type(section).model_fields["base_url"].default:
+        raise fail(f"no endpoint: llm_client.base_url is the placeholder {section.base_url}; give --base-url URL "
+                   "or a --config file that sets it")
+    try:
+        client = LLMClient.from_config(section, max_retries=0)  # one request: a fault shows as it is
+    except (ConfigError, ValueError) as e:
+        raise fail(str(e)) from None
+
+    async def once() -> tuple[dict, float, list[str] | None, LLMError | None]:
+        async with client:
+            t = time.perf_counter()
+            try:
+                reply = await client.chat([{"role": "user", "content": "ping"}], max_tokens=8)
+            except (BadRequest, MalformedResponse) as e:  # a wrong model id is the usual cause: list the served ones
+                try:
+                    served = await client.models()
+                except LLMError:
+                    served = None
+                return {}, 0.0, served, e
+            except LLMError as e:
+                return {}, 0.0, None, e
+            return reply, time.perf_counter() - t, None, None
+
+    reply, latency, served, error = asyncio.run(once())
+    if error is not None:
+        extra = f"\n  the server lists these model ids: {', '.join(served)}" if served else ""
+        raise fail(f"{type(error).__name__}: {error}{extra}", code=2 if error.config_fault else 1)
+    message = reply["choices"][0].get("message") or {}
+    content = message.get("content")
+    shown = repr(content) if isinstance(content, str) else json.dumps(message)[:200]
+    typer.echo(f"ok: {client.model} at {display_url(client.base_url)} replied {shown} in {latency * 1000:.0f} ms")
+
+
 if __name__ == "__main__":  # python -m tether.cli
     app()

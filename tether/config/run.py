@@ -30,7 +30,7 @@ class RunConfig(Section):
     tool_parser: ToolParserConfig = ToolParserConfig()
     """Tool-call parsing."""
     llm_client: LLMClientConfig = LLMClientConfig()
-    """OpenAI-compatible endpoint (not built yet: refused at load)."""
+    """OpenAI-compatible endpoint (``tether.llm.LLMClient.from_config``, ``tether ping``)."""
     model: ModelConfig = ModelConfig()
     """The policy model."""
     engine: EngineConfig = EngineConfig()

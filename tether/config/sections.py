@@ -49,8 +49,8 @@ class ToolParserConfig(Section):
 
 
 class LLMClientConfig(Section):
-    """An OpenAI-compatible endpoint (rollouts on a server, teachers, ``tether ping``). **Not built yet**: a
-    config that sets any key of this section is refused at load (``tether.config.support``).
+    """An OpenAI-compatible endpoint (rollouts on a server, judges, teachers, ``tether ping``), used through
+    ``tether.llm.LLMClient.from_config``.
 
     ``base_url`` and ``model`` may contain ``${VAR}``; like the key they are resolved at use time by
     ``resolved()``."""
@@ -65,6 +65,17 @@ class LLMClientConfig(Section):
     """Timeout of one request, seconds."""
     max_retries: NonNegInt = 3
     """Retries of a request that failed in a retryable way (429, 5xx, refused connection), in requests."""
+    max_concurrency: PosInt = 64
+    """Requests in flight at once to this endpoint, in requests; shared by every client of the same base_url and
+    model in the process (rollout workers, judge, ping), the stricter value winning. tether's own key."""
+    requests_per_minute: PosFloat | None = None
+    """Request rate limit, in requests per minute (a token bucket, burst of one second's worth, shared like
+    max_concurrency; every retry counts); None = unlimited. tether's own key."""
+    tokens_per_minute: PosFloat | None = None
+    """Token rate limit, in tokens per minute: prompt (estimated at 4 characters a token for text) plus
+    max_tokens, charged before the request and corrected from the answer's ``usage``; shared like
+    max_concurrency; None = unlimited. tether's own key."""
+
 
     @field_validator("base_url")
     @classmethod

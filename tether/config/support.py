@@ -27,8 +27,6 @@ class NotBuilt:
 
 
 UNSUPPORTED: tuple[NotBuilt, ...] = (
-    NotBuilt(("llm_client",), "the OpenAI-compatible client (rollouts and judges on a server, `tether ping`) "
-                              "is not built yet; remove the `llm_client` section"),
     NotBuilt(("resource_pool",), "separate resource pools belong to the Ray backend, which is not built yet; "
                                  "remove the `resource_pool` section"),
     NotBuilt(("actor_worker",), "the trainer's actor worker (DetachActorWorker, FSDP/Megatron strategies) belongs "
