@@ -35,7 +35,6 @@ REFUSED = [
     ("resource_pool.trainer_pool.num_gpus=0", "`resource_pool.trainer_pool.num_gpus` (--set)", "Ray backend"),
     ("actor_worker.strategy=fsdp", "`actor_worker.strategy` (--set)", "Ray backend"),
     ("backend=ray", "`backend` = 'ray' (--set)", "Ray backend is not built"),
-    ("engine.type=remote", "`engine.type` = 'remote' (--set)", "OpenAI-compatible server is not built"),
 ]
 
 

@@ -137,15 +137,34 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
 
 
 def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngine:
-    """The in-process engine over its own copy of the weights (the learner's copy keeps training)."""
+    """The in-process engine over its own copy of the weights (the learner's copy keeps training), whatever
+    ``engine.type`` says: ``tether serve`` and the trainer's own validation engine are local in every run."""
     from tether.engine.local import LocalEngine
 
-    if cfg.engine.type != "local":
-        raise ValueError(f"engine.type {cfg.engine.type!r} is not available yet; use engine.type: local")
     partial = cfg.rollout.partial_rollout
     return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=cfg.engine.max_batch_size,
                        seed=cfg.trainer.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
                        deterministic=cfg.trainer.deterministic)
+
+
+def rollout_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngine:
+    """The engine ``engine.type`` names: ``local_engine``, or ``remote`` — the server of the ``llm_client`` section
+    (``tether.engine.remote``), loaded with ``model``'s weights as ``version`` before the first rollout, so that
+    it samples from the policy the learner trains whatever checkpoint it was started with."""
+    if cfg.engine.type != "remote":
+        return local_engine(cfg, model, version)
+    from tether.engine.remote import RemoteEngine
+    from tether.llm import LLMClient
+
+    engine = RemoteEngine(LLMClient.from_config(cfg.llm_client), version=version,
+                          max_model_len=getattr(model.config, "max_position_embeddings", None),
+                          weight_sync_dir=cfg.engine.weight_sync_dir, model_config=model.config)
+    try:
+        engine.update_weights(model.state_dict(), version)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 @dataclass
@@ -166,7 +185,7 @@ class Runtime:
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, local_engine(cfg, model), make_env, tasks, window)
+        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window)
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
         return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)

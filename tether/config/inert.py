@@ -80,6 +80,19 @@ def inert_values(cfg: RunConfig) -> list[str]:
                    "inside the double-sided band no weight reaches the cap, so truncation never acts (the weight is "
                    "the ratio itself, IcePop); tis_enabled: false would train with weight 1 inside the band")
 
+    if cfg.engine.type == "remote":  # the server's engine batches and interrupts: its own config decides
+        set_here = _explicit(cfg)
+        server_side = ("engine.max_batch_size", "rollout.partial_rollout.enabled",
+                       "rollout.partial_rollout.segment_length")
+        for key in server_side:
+            if key in set_here:
+                out.append(f"{key} acts on the in-process engine only: with engine.type remote the server's engine "
+                           f"batches and applies weight updates (for tether serve, set it in the config given to "
+                           f"`tether serve --config`); llm_client.max_concurrency bounds the requests in flight here")
+    elif cfg.engine.weight_sync_dir is not None:
+        out.append("engine.weight_sync_dir acts with engine.type remote only: the local engine takes the weights "
+                   "in memory")
+
     reachable = max_env_steps(cfg)
     if cfg.environment.state.max_turns > reachable:
         al = cfg.agent_loop

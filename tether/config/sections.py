@@ -136,8 +136,9 @@ class EngineConfig(Section):
     """Where and how the rollout policy samples."""
 
     type: Literal["local", "remote"] = "local"
-    """local: the in-process torch engine (continuous batching). remote (an OpenAI-compatible server through
-    ``llm_client``) is not built yet and is refused at load."""
+    """local: the in-process torch engine (continuous batching). remote: an OpenAI-compatible server reached through
+    ``llm_client`` (``tether serve``, or vLLM/SGLang; ``tether.engine.remote``): token ids in, token ids and
+    behaviour logprobs out, the learner's weights pushed to its update endpoint at start and at every sync."""
     max_batch_size: PosInt = 64
     """Maximum sequences decoded together, in sequences (the engine's continuous batch)."""
     temperature: NonNegFloat = 1.0
@@ -146,6 +147,10 @@ class EngineConfig(Section):
     """Nucleus sampling: the probability mass kept, in (0, 1]; 1 = no truncation."""
     max_tokens: PosInt = 64
     """Maximum new tokens per assistant turn, in tokens; a turn cut here is closed with the end-of-turn token."""
+    weight_sync_dir: str | None = None
+    """engine.type remote: a folder this process writes and the server reads (shared storage); weights go
+    there as safetensors and the server loads them through ``/update_weights_from_disk``. None = in the body of
+    ``/update_weights_from_tensor`` (no shared folder needed). tether's own key."""
 
 
 # ----------------------------------------------------------------------------- rollout and buffer

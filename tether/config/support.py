@@ -33,8 +33,6 @@ UNSUPPORTED: tuple[NotBuilt, ...] = (
                                 "to the Ray backend, which is not built yet; remove the `actor_worker` section"),
     NotBuilt(("backend",), "the Ray backend is not built yet; use `backend: local` (one process)",
              lambda v: v == "ray"),
-    NotBuilt(("engine", "type"), "the engine over an OpenAI-compatible server is not built yet; use "
-                                 "`engine.type: local` (the in-process torch engine)", lambda v: v == "remote"),
 )
 
 REFUSED_SECTIONS: frozenset[str] = frozenset(n.key[0] for n in UNSUPPORTED if len(n.key) == 1 and n.refuses is None)

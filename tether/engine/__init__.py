@@ -1,5 +1,6 @@
-"""Inference engines: ``LocalEngine`` (in-process torch, continuous batching) and ``ScriptedEngine``
-(replays given texts). An OpenAI-compatible remote engine arrives with the LLM-client issue."""
+"""Inference engines: ``LocalEngine`` (in-process torch, continuous batching), ``RemoteEngine`` (an
+OpenAI-compatible server: token ids in, token ids and logprobs out, weights pushed to its update endpoint) and
+``ScriptedEngine`` (replays given texts)."""
 
 from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
 
