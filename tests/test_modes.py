@@ -23,7 +23,7 @@ def run(setup, name, *overrides):
     root, model = setup
     cfg = load_config([root / "cfg.yaml"], [f"model.path={model}", *overrides])
     train(cfg, root / name, show_progress=False)
-    rows = [json.loads(l) for l in (root / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     samples = (root / name / "samples.jsonl").read_text()
     weights = AutoModelForCausalLM.from_pretrained(root / name / "checkpoints" / "step_3").state_dict()
     return rows, samples, weights
@@ -61,7 +61,7 @@ def test_bounds_hold_under_slow_long_tailed_tools(setup):
         "buffer.stale_filter.max_policy_lag=1", "message_queue.max_queue_size=3", "rollouter.max_queue_size=3",
         "trainer.total_steps=5", "trainer.save_every=0"])
     train(cfg, root / "slow", show_progress=False)
-    rows = [json.loads(l) for l in (root / "slow" / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = [json.loads(line) for line in (root / "slow" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(rows) == 5
     for r in rows:
         assert r["rollout/policy_version_lag_max"] <= 1  # the consumption filter (max_policy_lag)
@@ -75,7 +75,7 @@ def test_bounds_hold_under_slow_long_tailed_tools(setup):
 def test_episode_timeout_is_retried_then_reported():
     import asyncio
 
-    from tether.pipeline.rollouter import RolloutError, Rollouter
+    from tether.pipeline.rollouter import Rollouter, RolloutError
     from tether.types import Task
 
     calls = []
@@ -114,8 +114,8 @@ def test_shaping_runs_through_the_training_loop(setup, mode):
         "policy_optimization.rollout_allocation.max_rollouts_per_prompt=6",
         "policy_optimization.exploration.diversity_bonus.coef=0.05"])
     train(cfg, root / f"shaping-{mode}", show_progress=False)
-    rows = [json.loads(l) for l in (root / f"shaping-{mode}" / "metrics.jsonl").read_text().splitlines()][1:]
-    samples = [json.loads(l) for l in (root / f"shaping-{mode}" / "samples.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / f"shaping-{mode}" / "metrics.jsonl").read_text().splitlines()][1:]
+    samples = [json.loads(line) for line in (root / f"shaping-{mode}" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and len(samples) == 4
     for r, s in zip(rows, samples):
         assert 0.0 <= r["optim/degenerate_group_ratio_before_filter"] <= 1.0

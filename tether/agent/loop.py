@@ -150,16 +150,16 @@ class _Episode:
         self.t0 = time.perf_counter()
         self.traj = Trajectory(task_id=task.id, prompt_ids=[])
         self.messages: list[dict[str, Any]] = []
-        self.buf: TokenBuffer | None = None  # the current segment
+        self.buf: TokenBuffer  # the current segment (set by start)
         self.closed: list[TokenBuffer] = []  # earlier segments
         self.memory: KeepRecentK | None = None
         self.header: list[dict[str, Any]] = []  # system prompt + opening request: every segment starts with them
         self.spans: list[list[int]] = []  # token ids of every completed turn (assistant tokens + what answered)
         self.turn_start = 0  # where the current turn's assistant tokens begin in buf.response_ids
         self.turns_in_context = 0  # completed turns in the current segment's context
-        self.asm: ChatAssembler | None = None
+        self.asm: ChatAssembler  # set by start
         self.tool_names: set[str] = set()
-        self.parsed: ParsedTurn | None = None
+        self.parsed: ParsedTurn  # set by generate
         self.user_turns = 0
         self.assistant_turns = 0
         self.env_done = False
@@ -280,6 +280,7 @@ class _Episode:
 
     def _new_segment(self) -> AgentState:
         """Continue in a fresh context: header, summary of what fell out, the last k turns (module docstring)."""
+        assert self.memory is not None  # only a bounded memory starts a segment (process_tools)
         k = self.memory.k
         messages = list(self.header)
         summary = self.memory.summary()

@@ -40,6 +40,7 @@ def _group_index(n: int, group_ids: torch.Tensor | None, group_sizes: Sequence[i
         if (sizes <= 0).any() or int(sizes.sum()) != n:
             raise ValueError(f"group_sizes {list(group_sizes)} must be positive and sum to N = {n}")
         return torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+    assert group_ids is not None  # exactly one of the two was given
     if group_ids.shape != (n,):
         raise ValueError(f"group_ids {tuple(group_ids.shape)} must be [N] = ({n},)")
     return torch.unique(group_ids.to(device), return_inverse=True)[1]

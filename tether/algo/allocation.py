@@ -105,7 +105,7 @@ def allocate_rollouts(
         raise ValueError(f"total_budget {budget} is below the minimum: {base} per unseen task × {n - len(seen)} + "
                          f"{lo} per seen task × {len(seen)}")
     counts = [base] * n
-    scores = [math.sqrt(proxies[i]) for i in seen]
+    scores = [math.sqrt(p) for p in proxies if p is not None]  # in the order of seen
     spend = min(seen_budget, hi * len(seen))
     positive = sum(1 for s in scores if s > 0)
     if spend <= hi * positive + lo * (len(seen) - positive):

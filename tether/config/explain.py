@@ -96,7 +96,7 @@ _INDEX = re.compile(r"^(.*?)\[(\d+)\]$")
 def _parse(key: str) -> list[Part]:
     parts: list[Part] = []
     for raw in key.strip().split("."):
-        indexes = []
+        indexes: list[int] = []
         while (m := _INDEX.match(raw)) is not None:
             raw, index = m.group(1), int(m.group(2))
             indexes.insert(0, index)

@@ -83,7 +83,9 @@ def read_yaml(path: str | Path) -> dict[Any, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        line = yaml.compose(text).start_mark.line + 1
+        node = yaml.compose(text)
+        assert node is not None  # the document is not empty: data is not None
+        line = node.start_mark.line + 1
         raise ConfigError(
             f"{path}:{line}: the top level must be a mapping of sections (e.g. `learner:`), "
             f"got {_type_name(data)}"

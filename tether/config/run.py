@@ -185,7 +185,8 @@ class RunConfig(Section):
             lc.batch_size = step
             if "mini_batch_size" not in lc.model_fields_set and step % lc.mini_batch_size:
                 lc.mini_batch_size = tr.ppo_mini_batch_size
-            lc._batches_divide()
+            # pydantic types a @model_validator method as its descriptor proxy; calling it works (re-runs the check).
+            lc._batches_divide()  # type: ignore[operator]
 
     def derived(self) -> dict[str, int]:
         """Totals computed from the config (printed at start; never computed in shell)."""

@@ -212,7 +212,7 @@ class Latency:
         """From a config ``LatencySpec`` (or a dict with median/sigma/max); None stays None."""
         if spec is None:
             return None
-        get = spec.get if isinstance(spec, Mapping) else lambda k, d=None: getattr(spec, k, d)
+        get: Callable[..., Any] = spec.get if isinstance(spec, Mapping) else lambda k, d=None: getattr(spec, k, d)
         return cls(float(get("median")), float(get("sigma", 0.0) or 0.0), get("max", None))
 
 

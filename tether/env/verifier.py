@@ -141,7 +141,7 @@ class HybridVerifier:
 
     @property
     def weights(self) -> dict[str, float]:
-        out = {}
+        out: dict[str, float] = {}
         if self.type != "model":
             out.update(self.rules)
         if self.type != "rule":

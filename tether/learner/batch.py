@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -110,11 +111,13 @@ class TrainBatch:
                 return None
             return value[start:stop] if value.dim() == 1 else value[start:stop, :length]
 
-        return TrainBatch(**{f.name: cut(f.name) for f in fields(self)})
+        parts: dict[str, Any] = {f.name: cut(f.name) for f in fields(self)}
+        return TrainBatch(**parts)
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                             for f in fields(self)})
+        moved: dict[str, Any] = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                 for f in fields(self)}
+        return TrainBatch(**moved)
 
     def split(self, n: int) -> list[TrainBatch]:
         """``n`` consecutive parts, in order, as equal as possible in *trajectories* (sizes differ by at most

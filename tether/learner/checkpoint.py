@@ -153,7 +153,8 @@ def _rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         # numpy's key array travels as a list of ints so that weights_only loading can read it.
-        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        # numpy types get_state() as dict | tuple; the legacy form (the default) is the tuple.
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),  # type: ignore[index]
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

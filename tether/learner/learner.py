@@ -58,6 +58,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -79,6 +80,9 @@ from tether.learner.optim import PolicyOptimizer
 from tether.metrics import record_metric
 from tether.types import Trajectory
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 _LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "cispo_clip_ratio")  # from the policy loss
@@ -93,7 +97,7 @@ class Learner:
     ``kl_control.type`` is "none". ``version`` counts completed trainer steps, skipped updates included.
     """
 
-    def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: RunConfig):
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, cfg: RunConfig):
         lc, po = cfg.learner, cfg.policy_optimization
         self.model = model
         self.batch_size = lc.batch_size
@@ -212,7 +216,7 @@ class Learner:
         reference that it measured, None when KL is off or the update was skipped."""
         micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, mini.num_trajectories))]
         # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
-        denom = sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros)
+        denom = cast(torch.Tensor, sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros))
         self.optimizer.zero_grad()
         total = torch.zeros((), device=device)
         kl: list[tuple[float, float]] = []
@@ -242,8 +246,8 @@ class Learner:
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         logits = logits[:, :-1]  # [b, T-1, V]
         logp = logprobs_from_logits(logits, ids, self.temperature)  # [b, T-1]
-        agg = dict(mode=self.loss_agg_mode, denom=denom,
-                   norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
+        agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=denom,
+                                   norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
 
         weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if mb.prox_logp is not None else (None, {})
         pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]

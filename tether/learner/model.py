@@ -61,7 +61,8 @@ def build_tiny(path: str | os.PathLike, corpus: Iterable[str] = (), seed: int = 
     extra = list(dict.fromkeys(extra_tokens))  # ordered, deduplicated: ids are deterministic
     if extra:
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
-    eos, pad = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+    # transformers types the result int | list[int]; a list in gives a list out.
+    eos, pad = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])  # type: ignore[misc]
     config = Qwen2Config(**{**TINY_DEFAULTS, **overrides}, vocab_size=len(tokenizer),
                          bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched

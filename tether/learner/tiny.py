@@ -185,8 +185,9 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> Qwen2Token
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     raw.train_from_iterator(corpus, trainer)
     model = json.loads(raw.to_str())["model"]
-    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
-                         eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None)
+    # transformers types merges as list[str] and unk_token as str; the BPE model takes pairs and no unk token.
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],  # type: ignore[misc]
+                         eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None)  # type: ignore[arg-type]
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok.chat_template = CHAT_TEMPLATE

@@ -183,7 +183,7 @@ class Run:
     recorder: MetricsRecorder
     progress: Progress
     start: int = 0
-    _closers: list[Callable[[], None]] = field(default_factory=list)
+    _closers: list[Callable[[], object]] = field(default_factory=list)
 
     @classmethod
     def build(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
@@ -192,7 +192,9 @@ class Run:
         ckpt = check_run_dir(cfg, run_dir, resume, allow_config_change)
         notes, resumed_from_start = [], False
         if ckpt is not None:  # before anything is written: a bad line must not cost the run's config
-            step = int(re.fullmatch(r"step_(\d+)", ckpt.name).group(1))
+            numbered = re.fullmatch(r"step_(\d+)", ckpt.name)
+            assert numbered is not None  # check_run_dir returns a step_N folder
+            step = int(numbered.group(1))
             notes = [n for name in ("metrics.jsonl", "samples.jsonl") for n in _truncate_jsonl(run_dir / name, step)]
             if ckpt is NO_CHECKPOINT_YET:  # nothing to keep, not even step 0's evaluation: it runs again
                 notes.append(f"{run_dir} has no checkpoint yet: the run starts again from step 0")
@@ -205,7 +207,7 @@ class Run:
             shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
         torch.manual_seed(cfg.trainer.seed)
         rt = Runtime.build(cfg, model_dir)
-        closers: list[Callable[[], None]] = [rt.close]
+        closers: list[Callable[[], object]] = [rt.close]
         try:
             learner = Learner(rt.model, None, cfg)
             derived = cfg.derived()

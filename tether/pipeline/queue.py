@@ -84,7 +84,7 @@ class MessageQueue:
                 self._auto_seq = auto
             elif self._auto_seq != auto:
                 raise ValueError("put() got both bare Groups and QueuedGroups: number every group or none")
-            if auto:
+            if isinstance(item, Group):  # auto
                 v = oldest_version(item)
                 item = QueuedGroup(item, self._next_auto_seq, -1 if v is None else v)
                 self._next_auto_seq += 1

@@ -215,8 +215,9 @@ class Rollouter:
                 return await self._attempt(task, episode_seed(seed, task.id, i))
 
         results = await asyncio.gather(*(one(t, i) for t, n in zip(tasks, sizes) for i in range(n)))
-        if results and all(isinstance(r, RolloutError) for r in results):
-            raise RolloutError(f"every episode of {len(tasks)} tasks failed; the first: {results[0]}", results[0].cause)
+        errors = [r for r in results if isinstance(r, RolloutError)]
+        if results and len(errors) == len(results):
+            raise RolloutError(f"every episode of {len(tasks)} tasks failed; the first: {errors[0]}", errors[0].cause)
         starts = [sum(sizes[:k]) for k in range(len(tasks) + 1)]
         out = []
         for k, task in enumerate(tasks):
@@ -232,7 +233,7 @@ class Rollouter:
 def _survivors(task: Task, results: list[Trajectory | RolloutError]) -> list[Trajectory]:
     kept = [r for r in results if isinstance(r, Trajectory)]
     if results and not kept:
-        first = results[0]
+        first = [r for r in results if isinstance(r, RolloutError)][0]  # = results[0]: every one failed
         raise RolloutError(f"task {task.id}: all {len(results)} episodes of the group failed; the first: {first}",
                            first.cause)
     return kept

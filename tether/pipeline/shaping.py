@@ -33,6 +33,7 @@ recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts
@@ -155,7 +156,7 @@ class RolloutAllocator:
         self.max, self.interval = ra.max_rollouts_per_prompt, ra.reallocation_interval
         self.kinds = kinds or {}  # task id -> kind
         self.window = TaskRewardWindow()
-        self.proxies: dict[str, float] = {}  # the statistics in force, re-read every ``interval`` steps
+        self.proxies: dict[Hashable, float] = {}  # the statistics in force, re-read every ``interval`` steps
 
     def _proxy(self, task: Task) -> float | None:
         own = self.proxies.get(task.id)

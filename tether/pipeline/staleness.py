@@ -65,7 +65,8 @@ def stale_filter(groups: Sequence[G], current_version: int, max_policy_lag: int)
     Accepts ``Group``s or records with a ``.group`` (``QueuedGroup``); order is kept within each list.
     Groups without model tokens are kept. Report the dropped ones to ``MessageQueue.report_stale``.
     """
-    kept, dropped = [], []
+    kept: list[G] = []
+    dropped: list[G] = []
     for item in groups:
         lag = policy_lag(_group(item), current_version)
         (dropped if lag is not None and lag > max_policy_lag else kept).append(item)

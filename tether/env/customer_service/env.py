@@ -271,7 +271,7 @@ class CustomerServiceEnv:
     def _observation(self, ep: _Episode, last: str | None, user_reply: str | None, error: bool) -> Observation:
         available = {"last_tool_result": last, "user_intent": ep.task.data["intent"],
                      "order_status": ep.order_status, "inventory_snapshot": dict(ep.inventory)}
-        obs = {f: available[f] for f in self.observation_fields}
+        obs: dict[str, Any] = {f: available[f] for f in self.observation_fields}
         obs.update(user_reply=user_reply, tool_error=error, memory=ep.memory.view())
         return obs
 
