@@ -219,6 +219,7 @@ def sft(
                 system, tools = env.system_prompt(), env.tool_schemas()
             finally:
                 env.close()
+            assert demos is not None  # the conversations were read from it
             trajs = jsonl_demos(demos, tokenizer, system_prompt=system, tools=tools, conversations=conversations)
         else:
             trajs = expert_demos(cfg.environment.name, make_env, tasks("train"), tokenizer,

@@ -14,9 +14,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
 from tether.config import ConfigError, RunConfig
@@ -24,6 +25,10 @@ from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Env
 from tether.env.customer_service import CustomerServiceEnv, example_texts
 from tether.types import Task
+
+if TYPE_CHECKING:
+    from tether.engine.local import LocalEngine
+    from tether.engine.remote import RemoteEngine
 
 # Environments selectable by ``environment.name``: a constructor taking the RunConfig and a task lister.
 ENVIRONMENTS: dict[str, tuple[Callable[[RunConfig], Env], Callable[[str, RunConfig], list[Task]]]] = {
@@ -136,7 +141,7 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
     )
 
 
-def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngine:
+def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> LocalEngine:
     """The in-process engine over its own copy of the weights (the learner's copy keeps training), whatever
     ``engine.type`` says: ``tether serve`` and the trainer's own validation engine are local in every run."""
     from tether.engine.local import LocalEngine
@@ -147,7 +152,7 @@ def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngin
                        deterministic=cfg.trainer.deterministic)
 
 
-def rollout_engine(cfg: RunConfig, model: Any, version: int = 0) -> InferenceEngine:
+def rollout_engine(cfg: RunConfig, model: Any, version: int = 0) -> LocalEngine | RemoteEngine:
     """The engine ``engine.type`` names: ``local_engine``, or ``remote`` — the server of the ``llm_client`` section
     (``tether.engine.remote``), loaded with ``model``'s weights as ``version`` before the first rollout, so that
     it samples from the policy the learner trains whatever checkpoint it was started with."""
@@ -172,13 +177,13 @@ class Runtime:
     cfg: RunConfig
     model: Any
     tokenizer: Any
-    engine: InferenceEngine
+    engine: LocalEngine | RemoteEngine  # both count their work in ``stats`` (perf/engine_busy_s)
     make_env: Callable[[], Env]
     tasks: Callable[[str], list[Task]]
     window: int | None = None  # the context window the model can hold (``context_window``)
 
     @classmethod
-    def build(cls, cfg: RunConfig, model_dir: str | None = None) -> "Runtime":
+    def build(cls, cfg: RunConfig, model_dir: str | None = None) -> Runtime:
         from tether.learner.model import load_model_and_tokenizer
 
         path = model_dir or model_path(cfg)

@@ -17,6 +17,7 @@ The fast runner can also extend a slot whose cache already holds a prefix (``pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from tether.engine.kv_cache import SlotKVCache
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def fast_path_problem(model: torch.nn.Module) -> str | None:
+def fast_path_problem(model: Any) -> str | None:
     """Why ``LlamaFamilyRunner`` cannot run ``model`` (None when it can)."""
     cfg = model.config
     if cfg.model_type not in FAST_MODEL_TYPES:
@@ -61,7 +62,8 @@ class _Layer:
 
     @classmethod
     def snapshot(cls, **tensors: torch.Tensor | None) -> _Layer:
-        return cls(**{k: None if t is None else t.detach().clone() for k, t in tensors.items()})
+        copies: dict[str, Any] = {k: None if t is None else t.detach().clone() for k, t in tensors.items()}
+        return cls(**copies)
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
@@ -77,7 +79,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaFamilyRunner:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):  # a HF Llama/Qwen2/Qwen3 causal LM, read module by module
         problem = fast_path_problem(model)
         if problem:
             raise ValueError(f"LlamaFamilyRunner cannot run this model: {problem}")
@@ -143,6 +145,7 @@ class LlamaFamilyRunner:
         q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.unflatten(-1, (nh, hd)), k.unflatten(-1, (nkv, hd)), v.unflatten(-1, (nkv, hd))
         if w.q_norm is not None:
+            assert w.k_norm is not None  # q_norm and k_norm come together (Qwen3)
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
@@ -263,14 +266,14 @@ class HFRunner:
     """Fallback for any causal LM: per-sequence HF forwards with a DynamicCache each (slow, exact).
     No prefix reuse: ``prefill`` always starts from an empty cache."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):  # any HF causal LM
         self.model = model
         self.caches: list[DynamicCache | None] = []
 
     def reload(self) -> None:
         pass  # reads the live modules
 
-    def _forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, ids: list[int], cache: DynamicCache | None) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=self.model.device)
         return self.model(input_ids=input_ids, cache=cache, use_cache=True).logits[0, -1].float()
 
@@ -279,8 +282,8 @@ class HFRunner:
         self.caches.extend([None] * (max(slots) + 1 - len(self.caches)))
         out = []
         for seq, slot in zip(seqs, slots):
-            self.caches[slot] = DynamicCache(config=self.model.config)
-            out.append(self._forward(seq, self.caches[slot]))
+            cache = self.caches[slot] = DynamicCache(config=self.model.config)
+            out.append(self._forward(seq, cache))
         return torch.stack(out)
 
     def decode(self, tokens: list[int], first: int = 0) -> torch.Tensor:

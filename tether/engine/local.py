@@ -113,7 +113,7 @@ class LocalEngine:
     the weights: change them only through ``update_weights``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, version: int = 0, num_threads: int | None = None,
+    def __init__(self, model: Any, *, version: int = 0, num_threads: int | None = None,
                  max_batch: int = 128, max_prefill_tokens: int = 2048, prefix_cache_size: int = 64,
                  recompute_on_update: bool = True, fast_path: bool = True, seed: int = 0,
                  partial_rollout: bool = True, segment_length: int = 1, deterministic: bool = False):
@@ -249,7 +249,8 @@ class LocalEngine:
                 try:
                     t0 = time.perf_counter()
                     self._step()
-                    self.stats["busy_s"] += time.perf_counter() - t0  # compute time (perf/engine_busy_s)
+                    # compute time (perf/engine_busy_s); typeshed's Counter holds ints, a Counter holds any number
+                    self.stats["busy_s"] += time.perf_counter() - t0  # type: ignore[assignment]
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     log.exception("LocalEngine step failed")
                     for req in self._slots.running:
@@ -293,7 +294,9 @@ class LocalEngine:
             slots.drop_prefixes(running_too=not self.recompute_on_update)
             if slots.running and self.recompute_on_update:
                 self._refill()
-        new, starts, widest = [], [], 0
+        new: list[_Request] = []
+        starts: list[int] = []
+        widest = 0
         draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
         while self._queue and len(slots.running) < self.max_batch and not draining:
             req = self._queue[0]

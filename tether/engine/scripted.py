@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether.engine.base import GenerationResult, SamplingParams
+from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 
 
 class ScriptedEngine:
@@ -26,7 +26,7 @@ class ScriptedEngine:
         if not self.texts:
             raise RuntimeError("ScriptedEngine ran out of texts: the episode asked for more turns than scripted")
         ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False) + [self.end_of_turn]
-        reason = "stop"
+        reason: FinishReason = "stop"
         if len(ids) > params.max_tokens:
             ids, reason = ids[: params.max_tokens], "length"
         return GenerationResult(ids, [self.logprob] * len(ids), reason, [self._version] * len(ids))
