@@ -7,8 +7,15 @@ import threading
 
 import pytest
 import torch
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tether.engine import GenerationResult, InferenceEngine, SamplingParams
 from tether.engine.forward import LlamaFamilyRunner

@@ -28,9 +28,10 @@ plain model (no hooks): GRPO's updates to single rows are tiny next to the codes
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -96,12 +97,12 @@ def init_entity_embeddings(model: Any, vocab: EntityVocab, seed: int, class_std:
     digit = torch.randn(MAX_DIGITS, 10, CODE_DIM, generator=g) / 2  # [position from the right, digit, K]
     with torch.no_grad():
         for cls, names in vocab.names.items():
-            codes = []
+            codes: list[torch.Tensor] = []
             for name in names:
                 digits = [int(ch) for ch in reversed(name) if ch.isdigit()]
                 if not 0 < len(digits) <= MAX_DIGITS:
                     raise ValueError(f"entity {name!r} needs 1..{MAX_DIGITS} digits")
-                codes.append(sum(digit[pos, d] for pos, d in enumerate(digits)))
+                codes.append(cast(torch.Tensor, sum(digit[pos, d] for pos, d in enumerate(digits))))
             code = torch.stack(codes) @ basis.T  # [N, H]
             weight[vocab.ids[cls]] = torch.randn(hidden, generator=g) * class_std + code * code_std
 
@@ -173,8 +174,8 @@ class CopyTask:
             masks.append(mask)
         width = max(len(r) for r in rows)  # right padding: causal attention never looks at it
         ids = torch.tensor([r + [self.pad_id] * (width - len(r)) for r in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float)
-        return ids, mask[:, 1:]
+        target_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float)
+        return ids, target_mask[:, 1:]
 
     def loss(self, model: Any, size: int = 16) -> torch.Tensor:
         """Mean negative log-likelihood of the copied entities of a fresh batch."""

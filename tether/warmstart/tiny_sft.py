@@ -23,9 +23,9 @@ import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -37,8 +37,15 @@ from tether.learner.sft import sft
 from tether.learner.tiny import CHAT_TEMPLATE, IM_START
 from tether.types import Trajectory
 from tether.warmstart.demos import expert_demos
-from tether.warmstart.entities import (CopyTask, EntitySwap, EntityVocab, copy_pretrain, init_entity_embeddings,
-                                       tied_class_gradients, world_entities)
+from tether.warmstart.entities import (
+    CopyTask,
+    EntitySwap,
+    EntityVocab,
+    copy_pretrain,
+    init_entity_embeddings,
+    tied_class_gradients,
+    world_entities,
+)
 
 ENVIRONMENT = "customer_service_agent"
 _RECIPE_VERSION = 1  # bump when this file's recipe changes in a way the Recipe fields do not show
@@ -132,9 +139,10 @@ def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, 
                    lr=recipe.full_lr, batch_size=recipe.batch_size)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    losses: list[float | None] = [*dialogue, *full] or [None]
     (out / "tether_warmstart.json").write_text(json.dumps({
         "preset": "tiny-sft", "seed": seed, "recipe": asdict(recipe), "demonstrations": len(demos),
-        "expert_success": ok, "sft_nll_per_token": (dialogue + full or [None])[-1],
+        "expert_success": ok, "sft_nll_per_token": losses[-1],
         "build_s": round(time.perf_counter() - t0, 1),
     }, indent=2))
     return out
