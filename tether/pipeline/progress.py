@@ -30,8 +30,9 @@ class Progress:
             self.console.print(f"[dim]{text}[/dim]")
 
     def warn(self, text: str) -> None:
-        """Shown even when the progress bar is off: a warning is for the person running the job."""
-        self.console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False)
+        """Shown even when the progress bar is off: a warning is for the person running the job. Not wrapped, so
+        that a path or key in it stays whole for grep and for copying."""
+        self.console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
     def update(self, step: int, row: dict[str, float]) -> None:
         stats = (f"reward {row.get('reward/mean', float('nan')):.3f}  "
