@@ -76,7 +76,6 @@ class LLMClientConfig(Section):
     max_tokens, charged before the request and corrected from the answer's ``usage``; shared like
     max_concurrency; None = unlimited. tether's own key."""
 
-
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
