@@ -3,18 +3,12 @@ learner, policy optimisation, trainer and placement."""
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import core_schema
+from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import *  # noqa: F401,F403 — the shared types
-from tether.config.base import _check, _ENV_REF, interpolate  # noqa: F401
+from tether.config.base import _ENV_REF, _check, interpolate  # noqa: F401
 
 # ----------------------------------------------------------------------------- agent, parser, client
 
@@ -269,7 +263,8 @@ class LearnerConfig(Section):
     mini_batch_size: PosInt = 8
     """Trajectories per optimizer update; divides batch_size."""
     update_frequency: PosInt = 4
-    """Passes (PPO epochs) over each trainer batch per trainer step; every pass reuses the behaviour logprobs as old logprobs."""
+    """Passes (PPO epochs) over each trainer batch per trainer step; every pass reuses the behaviour logprobs as
+    old logprobs."""
     gradient_accumulation_steps: PosInt = 2
     """Micro-batches accumulated per optimizer update, in micro-batches; divides mini_batch_size."""
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
@@ -290,7 +285,7 @@ class LearnerConfig(Section):
 
 # The (trainer.class, rollouter.class) pair of each rollout.mode: the class keys select the pipeline (the
 # fully_async names are the seed's, after verl's recipe/fully_async_policy; the others are tether's).
-PIPELINES: dict[str, tuple[str, str]] = {
+PIPELINES: dict[Literal["sync", "one_step_off_policy", "fully_async"], tuple[TrainerClass, RollouterClass]] = {
     "sync": ("Trainer", "Rollouter"),
     "one_step_off_policy": ("OneStepOffTrainer", "OneStepOffRollouter"),
     "fully_async": ("FullyAsyncTrainer", "FullyAsyncRollouter"),
