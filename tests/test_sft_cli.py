@@ -2,6 +2,7 @@
 weights moved; bad input exits 2 with one line naming the file and line."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +10,6 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from tether.cli import app
-from tether.env.customer_service import example_texts
-from tether.learner.model import build_tiny
 
 CONFIG = """
 environment: {num_train_tasks: 6, num_eval_tasks: 2}
@@ -28,10 +27,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    model = build_tiny(root / "model", corpus=example_texts(100), num_hidden_layers=1, hidden_size=32,
-                       intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+def setup(tmp_path_factory, tiny_model):
+    root, model = tmp_path_factory.mktemp("sft"), tiny_model  # the shared tiny model (conftest.py)
     cfg = root / "cfg.yaml"
     cfg.write_text(CONFIG)
     return root, model, cfg
@@ -54,7 +51,7 @@ def test_expert_demonstrations_to_a_checkpoint(setup):
     assert f"wrote {out}" in result.output
     before, after = weights(model), weights(out)
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert (out / "tokenizer.json").read_text() == (root / "model" / "tokenizer.json").read_text()
+    assert (out / "tokenizer.json").read_text() == (Path(model) / "tokenizer.json").read_text()
 
 
 def test_jsonl_demonstrations_to_a_checkpoint(setup):

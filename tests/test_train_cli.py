@@ -10,8 +10,6 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from tether.cli import app
-from tether.env.customer_service import example_texts
-from tether.learner.model import build_tiny
 
 CONFIG = """
 environment: {num_train_tasks: 20, num_eval_tasks: 4}
@@ -27,10 +25,8 @@ metrics: {tensorboard: true}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    model = build_tiny(root / "model", corpus=example_texts(100), num_hidden_layers=1, hidden_size=32,
-                       intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+def setup(tmp_path_factory, tiny_model):
+    root, model = tmp_path_factory.mktemp("train"), tiny_model  # the shared tiny model (conftest.py)
     cfg = root / "cfg.yaml"
     cfg.write_text(CONFIG)
     return root, model, cfg
