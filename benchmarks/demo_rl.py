@@ -8,6 +8,7 @@ generated and trained trajectories, the fraction of groups with a non-zero advan
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ def warm_start_dir(sft: Path | None, root: Path, seed: int = 0) -> Path:
 def rl_run(sft: Path, run_dir: Path, overrides: list[str], files: tuple[Path, ...] = ()) -> dict:
     cfg = load_config([DEMO / "config.yaml", *files], overrides)
     t = time.perf_counter()
+    if run_dir.exists():  # the benchmark's own output: a rerun replaces it (tether train refuses a used run dir)
+        shutil.rmtree(run_dir)
     result = train(cfg, run_dir, model_dir=str(sft), show_progress=False)
     wall = time.perf_counter() - t
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def run(seed: int, run_root: Path, overrides: list[str]) -> dict:
     t0 = time.perf_counter()
     sft_dir = warm_start(cfg, out, seed)
     t_sft = time.perf_counter() - t0
+    if (out / "rl").exists():  # the demo's own directory: a new demo replaces the previous one's RL run
+        say(f"[demo] replacing the previous demo run in {out / 'rl'}")
+        shutil.rmtree(out / "rl")
     result = train(cfg, out / "rl", model_dir=str(sft_dir))
     before, after = result.eval_before["eval/success_rate"], result.eval_after["eval/success_rate"]
     summary = {"seed": seed, "sft_success": before, "rl_success": after, "gain": after - before,
