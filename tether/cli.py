@@ -383,5 +383,10 @@ def ping(
     typer.echo(f"ok: {client.model} at {display_url(client.base_url)} replied {shown} in {latency * 1000:.0f} ms")
 
 
+from tether.verify.cli import verify_app  # noqa: E402 — below ``app``; verify commands import from here
+
+app.add_typer(verify_app, name="verify")
+
+
 if __name__ == "__main__":  # python -m tether.cli
     app()
