@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from tether.algo.advantages import Normalization
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.buffer import ReplayBuffer
@@ -75,11 +76,11 @@ class BatchSource(Protocol):
 
 
 def _record_batch(produced: list[Produced], version: int, hacking_patterns: tuple[str, ...],
-                  elapsed_s: float | None) -> None:
+                  elapsed_s: float | None, normalization: Normalization) -> None:
     trajs = [t for p in produced for t in p.group.trajectories]
     if trajs:
         record_rollout_metrics(trajs, elapsed_s, hacking_patterns)
-    record_production_metrics(produced)
+    record_production_metrics(produced, normalization)
     for k, v in version_lag_stats(trajs, version).items():
         record_metric(k, v, "last")
 
@@ -87,9 +88,10 @@ def _record_batch(produced: list[Produced], version: int, hacking_patterns: tupl
 class SyncSource:
     def __init__(self, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]], sizes: Sizes,
                  weights: WeightSync, ledger: Ledger, *, max_groups_in_flight: int,
-                 hacking_patterns: tuple[str, ...] = ()):
+                 hacking_patterns: tuple[str, ...] = (), normalization: Normalization = "group"):
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
         self.ledger, self.max_groups_in_flight, self.hacking_patterns = ledger, max_groups_in_flight, hacking_patterns
+        self.normalization = normalization  # advantage.normalization, for optim/advantage_std_before_filter
 
     async def _produce(self, step: int) -> list[Produced]:
         tasks = self.batch_tasks(step)
@@ -114,7 +116,7 @@ class SyncSource:
         elapsed = time.perf_counter() - t
         for p in produced:
             self.ledger.settle(p.step, p.index)
-        _record_batch(produced, self.weights.version, self.hacking_patterns, elapsed)
+        _record_batch(produced, self.weights.version, self.hacking_patterns, elapsed, self.normalization)
         return StepBatch(produced, elapsed)
 
     def state_dict(self) -> dict:
@@ -138,6 +140,7 @@ class AsyncSource:
         # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
         self.groups_per_take = max(1, cfg.trainer.ppo_mini_batch_size // group_size)
         self.hacking_patterns = hacking_patterns
+        self.normalization = cfg.policy_optimization.advantage.normalization
         self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
         sched = cfg.rollout.scheduler
         self.queue = MessageQueue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
@@ -269,7 +272,7 @@ class AsyncSource:
         self._settle(kept)
         self._consumed += sum(q.num_samples for q in kept)
         produced = [q.produced for q in kept]
-        _record_batch(produced, self.weights.version, self.hacking_patterns, None)
+        _record_batch(produced, self.weights.version, self.hacking_patterns, None, self.normalization)
         record_metric("rollout/stale_trajectory_processed", 0.0, "sum")
         for k, v in {**self.accounting(), **self.buffer.metrics()}.items():
             record_metric(k, v, "last")
@@ -318,7 +321,8 @@ def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[
     mode = cfg.rollout.mode
     if mode == "sync":
         return SyncSource(producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
-                          hacking_patterns=hacking_patterns)
+                          hacking_patterns=hacking_patterns,
+                          normalization=cfg.policy_optimization.advantage.normalization)
     staleness = cfg.rollout.scheduler.max_staleness
     if mode == "one_step_off_policy":
         staleness = min(1, staleness)

@@ -28,7 +28,11 @@ Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
 ``optim/degenerate_group_ratio_before_filter`` (first attempts), ``optim/degenerate_group_ratio`` (as trained,
 recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled_trajectories``,
 ``rollout/dropped_groups``, ``rollout/generated_trajectories`` (first attempts),
-``rollout/allocation_max`` / ``_min``.
+``rollout/allocation_max`` / ``_min``; and the learning signal where it can fail, over every first attempt of
+the step's groups before the filter: ``optim/raw_reward_std_within_group`` (mean of the within-group reward
+stds, a singleton counting 0) and ``optim/advantage_std_before_filter`` (the std of the advantages those
+groups would get). ``optim/advantage_std`` is taken after the filter and after group normalisation, so it reads
+≈ √((n−1)/n) for any informative batch, whatever the share of groups that carried no signal.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import torch
+
+from tether.algo.advantages import Normalization, group_advantages
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts
 from tether.algo.diversity import diversity_bonus, strategy_signature
-from tether.algo.filters import degenerate_groups, resample_or_drop
+from tether.algo.filters import degenerate_groups, group_reward_std, resample_or_drop
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.rollouter import Rollouter, episode_seed
@@ -71,6 +78,7 @@ class Produced:
     step: int  # the step whose task list it came from
     index: int  # its position in that list
     first_degenerate: bool = False  # the first attempt's rewards did not differ
+    first_rewards: list[float] = field(default_factory=list)  # the first attempt's rewards (bonus included)
     resampled: int = 0  # further attempts made by the degenerate-group filter
     resampled_trajectories: int = 0
     first_trajectories: int = 0
@@ -101,6 +109,7 @@ class GroupProducer:
         group = await self.rollouter.group(task, size, step_seed(self.seed, step))
         out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
         out.first_degenerate = degenerate = self._degenerate(group)
+        out.first_rewards = list(group.rewards)
         out.any_success = any(t.success for t in group.trajectories)
         while degenerate and self.filter and resample_or_drop(out.resampled, self.attempts) == "resample":
             out.resampled += 1
@@ -114,11 +123,14 @@ class GroupProducer:
         return out
 
 
-def record_production_metrics(batch: list[Produced]) -> None:
-    """The shaping metrics of the groups the trainer took at this step (called by the consumer)."""
+def record_production_metrics(batch: list[Produced], normalization: Normalization = "group") -> None:
+    """The shaping metrics of the groups the trainer took at this step (called by the consumer);
+    ``normalization`` is ``advantage.normalization``, for ``optim/advantage_std_before_filter``."""
     if not batch:
         return
     n = len(batch)
+    for k, v in signal_before_filter([p.first_rewards for p in batch if p.first_rewards], normalization).items():
+        record_metric(k, v)
     record_metric("optim/degenerate_group_ratio_before_filter", sum(p.first_degenerate for p in batch) / n)
     record_metric("rollout/generated_trajectories", sum(p.first_trajectories for p in batch), "sum")
     record_metric("rollout/resampled_groups", sum(p.resampled for p in batch), "sum")
@@ -130,6 +142,18 @@ def record_production_metrics(batch: list[Produced]) -> None:
         values = [p.bonus[key] for p in batch if key in p.bonus]
         if values:
             record_metric(name, sum(values) / len(values))
+
+
+def signal_before_filter(first_rewards: list[list[float]], normalization: Normalization) -> dict[str, float]:
+    """``optim/raw_reward_std_within_group`` and ``optim/advantage_std_before_filter`` of the first attempts'
+    rewards, one list per group (both 0 when there are none: a step whose groups all failed has no signal)."""
+    if not first_rewards:
+        return {"optim/raw_reward_std_within_group": 0.0, "optim/advantage_std_before_filter": 0.0}
+    stds = [0.0 if len(r) < 2 else group_reward_std(r) for r in first_rewards]
+    rewards = torch.tensor([r for g in first_rewards for r in g], dtype=torch.float64)  # [N]
+    _, m = group_advantages(rewards, group_sizes=[len(g) for g in first_rewards], normalization=normalization)
+    return {"optim/raw_reward_std_within_group": sum(stds) / len(stds),
+            "optim/advantage_std_before_filter": float(m["advantage_std"])}
 
 
 def no_signal_warning(batch: list[Produced], step: int) -> str | None:
