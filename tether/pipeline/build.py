@@ -29,6 +29,7 @@ from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
+from tether.pipeline.validation import write_validation
 from tether.pipeline.weights import WeightSync
 from tether.runtime import Runtime, local_engine
 from tether.types import Task
@@ -257,6 +258,7 @@ class Run:
 
     def eval(self, step: int) -> dict[str, float]:
         metrics, trajs = self.evaluate(step)
+        write_validation(self.run_dir, step, self.evaluate.tasks, trajs)  # RUN/validation/step_N.jsonl
         for k, v in metrics.items():
             record_metric(k, v, "last")
         self.progress.eval_table(step, metrics, self.evaluate.tasks, trajs)
