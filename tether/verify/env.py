@@ -1,0 +1,600 @@
+"""``tether verify env``: drive the configured environment with scripted probes and check it (issue 14 item 1).
+
+The source document's step 4.1: "tool calls return structured observations, the reward is in a sensible range,
+termination fires correctly". Every check runs on the environment itself (``env_factory``: reset / step /
+finalize), no model involved, in a second or two:
+
+- ``tool observations``: each tool of the action space called with valid arguments and with invalid ones
+  (missing, unexpected, mistyped, out-of-enum, an unknown tool, a malformed action); every observation of every
+  probe episode must carry the configured fields and show the policy (``observation_text``) a JSON tool result,
+  ``{"error": ...}`` on an error.
+- ``reward range``: every reward of every probe episode lies in the range the configured weights give,
+  [−max_turns · Σ penalties, Σ counted weights], and not above 1 (the scale ``min_reward_std`` and the success
+  figures are read on).
+- ``termination/*``: the scripted expert's episodes end resolved (or escalated) with full reward; N bad calls
+  end an episode with ``tool_errors`` at ``tool_error_threshold``; do-nothing steps end one at ``max_turns``
+  with the configured ``max_turns_exceeded`` behaviour.
+- ``verifier components``: each counted rule and rubric takes at least two values over the probe episodes
+  (the expert's, the termination probes', random and adversarial ones); one stuck at a value carries no signal.
+- ``anti_hacking/*``: a repeated identical call and a stuffed message planted in an expert episode are
+  flagged and cost reward, when enabled and listed.
+
+With ``policy=True`` a few episodes of the configured policy through the agent loop are checked for the same
+structure and range. Each failure says which config key to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tether.agent.chat import observation_text
+from tether.config import RunConfig
+from tether.env.base import Action, Env, Observation
+from tether.env.customer_service.expert import ScriptedExpert
+from tether.env.termination import ESCALATED, MAX_TURNS, RESOLVED, TOOL_ERRORS, max_env_steps, max_turns_reachable
+from tether.runtime import env_factory
+from tether.types import Task
+
+Status = Literal["pass", "fail", "warn", "skip"]
+Policy = Callable[[Observation], Action]
+EPS = 1e-6
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    seen: str  # what was observed, one line
+    diagnosis: str = ""  # on fail / warn: what is wrong and the config key to look at
+
+
+@dataclass
+class Episode:
+    """One probe episode: what was sent, what came back, how it ended."""
+
+    probe: str
+    task: Task
+    actions: list[Any] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # the last step's (the end-of-episode info when done)
+
+    @property
+    def reward(self) -> float:
+        return self.rewards[-1] if self.rewards else 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.actions)
+
+
+def run_episode(env: Env, task: Task, probe: str, policy: Policy, max_steps: int) -> Episode:
+    """Step ``policy`` on ``task`` until the environment says done or ``max_steps`` (left open: not finalized)."""
+    ep = Episode(probe, task)
+    obs = env.reset(task_id=task.id)
+    ep.observations.append(obs)
+    for _ in range(max_steps):
+        action = policy(obs)
+        obs, reward, done, info = env.step(action)
+        ep.actions.append(action)
+        ep.observations.append(obs)
+        ep.rewards.append(reward)
+        ep.info = info
+        if done:
+            ep.done = True
+            break
+    return ep
+
+
+def scripted(actions: list[Any]) -> Policy:
+    """A policy that plays ``actions`` in order (then repeats the last)."""
+    it: Iterator[Any] = iter(actions)
+    last: list[Any] = [actions[-1]]
+
+    def act(obs: Observation) -> Action:
+        last[0] = next(it, last[0])
+        return last[0]
+    return act
+
+
+# ----------------------------------------------------------------------------------------------- the range
+def counted_weights(cfg: RunConfig) -> dict[str, float]:
+    """The weight of each component ``environment.verifier.type`` counts."""
+    v = cfg.environment.verifier
+    out: dict[str, float] = {}
+    if v.type != "model":
+        out.update((r.check, r.weight) for r in v.rule_based)
+    if v.type != "rule":
+        out.update((r.rubric, r.weight) for r in v.model_based)
+    return out
+
+
+def reward_range(cfg: RunConfig) -> tuple[float, float]:
+    """[lowest, highest] reward the configured verifier can give: every counted component 1 at best; at worst
+    every component 0 and each listed pattern flagged on every one of ``max_turns`` steps."""
+    env = cfg.environment
+    ah = env.verifier.anti_hacking
+    per_step = sum(ah.penalty.get(p, 0.0) for p in ah.detect_patterns) if ah.enabled else 0.0
+    return round(-per_step * env.state.max_turns, 9) + 0.0, round(sum(counted_weights(cfg).values()), 9)
+
+
+def weights_key(cfg: RunConfig) -> str:
+    v = cfg.environment.verifier
+    parts = [f"rule_based[{i}].weight ({r.check}) = {r.weight:g}" for i, r in enumerate(v.rule_based)
+             if v.type != "model"]
+    parts += [f"model_based[{i}].weight ({r.rubric}) = {r.weight:g}" for i, r in enumerate(v.model_based)
+              if v.type != "rule"]
+    return "environment.verifier." + ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- probes
+def _valid_value(param: str, spec: Mapping[str, Any], task: Task) -> Any:
+    if spec.get("enum"):
+        want = task.data.get(param)
+        return want if want in spec["enum"] else spec["enum"][0]
+    value = task.data.get(param)
+    return value if isinstance(value, str) and value else f"probe {param}"
+
+
+def _task_for(tool: str, props: Mapping[str, Any], tasks: list[Task]) -> Task:
+    """A task whose data holds real values for ``tool``'s id parameters (e.g. an inventory task's sku_id)."""
+    ids = [p for p in props if p.endswith("_id")]
+    for t in tasks:
+        if all(isinstance(t.data.get(p), str) for p in ids) and not (ids == ["sku_id"] and t.data.get("order_id")):
+            return t
+    return tasks[0]
+
+
+def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task]) -> list[tuple[str, Task, Any, bool]]:
+    """(label, task, action, valid) for every tool: one valid call and the invalid variants its schema allows."""
+    out: list[tuple[str, Task, Any, bool]] = []
+    for schema in schemas:
+        fn = schema["function"]
+        name, props = fn["name"], fn["parameters"].get("properties", {})
+        task = _task_for(name, props, tasks)
+        valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
+        out.append((f"{name} valid", task, {"name": name, "params": valid}, True))
+        if props:
+            out.append((f"{name} missing params", task, {"name": name, "params": {}}, False))
+            first = next(iter(props))
+            out.append((f"{name} mistyped {first}", task, {"name": name, "params": {**valid, first: 12345}}, False))
+        out.append((f"{name} unexpected param", task, {"name": name, "params": {**valid, "bogus": "x"}}, False))
+        for p, spec in props.items():
+            if spec.get("enum"):
+                out.append((f"{name} {p} out of enum", task, {"name": name, "params": {**valid, p: "NOT_A_VALUE"}},
+                            False))
+    task = tasks[0]
+    out += [("unknown tool", task, {"name": "no_such_tool", "params": {}}, False),
+            ("action without name", task, {"params": {}}, False),
+            ("arguments not JSON", task, {"name": schemas[0]["function"]["name"], "params": "{not json"}, False)]
+    return out
+
+
+def observation_problem(obs: Any, fields: Sequence[str]) -> str | None:
+    """Why ``obs`` is not a structured observation the policy can read, or None."""
+    if not isinstance(obs, Mapping):
+        return f"the observation is a {type(obs).__name__}, not a dict"
+    missing = [f for f in fields if f not in obs]
+    if missing:
+        return f"the observation lacks the configured fields {missing}"
+    if not isinstance(obs.get("tool_error"), bool):
+        return f"observation['tool_error'] is {obs.get('tool_error')!r}, not a bool"
+    if "last_tool_result" not in fields:
+        return "the policy never sees a tool result (last_tool_result is not an observation field)"
+    text = observation_text(dict(obs)).split("\n", 1)[0]
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return f"the tool message {text[:80]!r} is not JSON"
+    if obs["tool_error"] and not (isinstance(value, dict) and "error" in value):
+        return f"an error observation shows {text[:80]!r}, not {{\"error\": ...}}"
+    return None
+
+
+def random_policy(rng: random.Random, schemas: list[dict[str, Any]], task: Task) -> Policy:
+    """Random and adversarial actions: plausible and wrong arguments, unknown tools, repeats, stuffed text,
+    number lists."""
+    previous: list[Any] = []
+    words = ["refund", "order", "stock", "sorry", "approved", "cannot", "please", "thanks", task.data.get("order_id"),
+             task.data.get("sku_id"), str(task.data.get("answer_number"))]
+
+    def text() -> str:
+        kind = rng.random()
+        if kind < 0.15:
+            return "filler " * rng.randint(60, 300)
+        if kind < 0.3:
+            return " ".join(str(rng.randint(0, 500)) for _ in range(rng.randint(3, 8)))
+        return " ".join(str(rng.choice(words)) for _ in range(rng.randint(1, 8)))
+
+    def act(obs: Observation) -> Action:
+        roll = rng.random()
+        if previous and roll < 0.15:
+            action = previous[-1]
+        elif roll < 0.25:
+            action = {"name": rng.choice(["no_such_tool", "", "respond"]), "params": {"message": text()}}
+        else:
+            fn = rng.choice(schemas)["function"]
+            props = fn["parameters"].get("properties", {})
+            params: dict[str, Any] = {}
+            for p, spec in props.items():
+                if rng.random() < 0.1:
+                    continue  # missing
+                if spec.get("enum"):
+                    params[p] = rng.choice([*spec["enum"], "bogus"])
+                elif p.endswith("_id") and rng.random() < 0.7:
+                    params[p] = task.data.get(p) or f"X-{rng.randint(0, 9999)}"
+                else:
+                    params[p] = text()
+            action = {"name": fn["name"], "params": params}
+        previous.append(action)
+        return action
+    return act
+
+
+def do_nothing_policy(schemas: list[dict[str, Any]], task: Task) -> Policy:
+    """Harmless steps that neither resolve, escalate nor fail, and never repeat within a short window."""
+    names = [s["function"]["name"] for s in schemas]
+    fillers = ["One moment please.", "Let me look into that.", "Still checking on my side.", "Thank you for waiting.",
+               "Bear with me a little longer.", "I am looking at your account.", "Just a moment more."]
+    turn = [0]
+
+    def act(obs: Observation) -> Action:
+        turn[0] += 1
+        if "respond_to_user" in names:
+            return {"name": "respond_to_user", "params": {"message": fillers[turn[0] % len(fillers)]}}
+        return {"name": "query_inventory", "params": {"sku_id": task.data.get("sku_id") or "SKU-000"}}
+    return act
+
+
+class _Planted:
+    """The scripted expert with one hack planted: ``repeat`` sends its first call twice; ``stuff`` pads its final
+    message with filler."""
+
+    def __init__(self, hack: str):
+        self.hack, self.expert, self.n = hack, ScriptedExpert(), 0
+
+    def __call__(self, obs: Observation) -> Action:
+        self.n += 1
+        if self.hack == "repeat" and self.n == 2 and self.expert.last is not None:
+            return self.expert.last
+        action = self.expert.act(obs)
+        if self.hack == "stuff" and action["name"] == "respond_to_user":
+            message = action["params"]["message"]
+            return {"name": "respond_to_user", "params": {"message": message + " " + "indeed " * 150}}
+        return action
+
+
+# ----------------------------------------------------------------------------------------------- checks
+@dataclass
+class Probes:
+    """Every probe episode, by kind, and the configuration they ran under."""
+
+    cfg: RunConfig
+    tools: list[tuple[str, Episode, bool]] = field(default_factory=list)  # (label, episode, valid)
+    expert: list[Episode] = field(default_factory=list)
+    tool_errors: Episode | None = None
+    max_turns: Episode | None = None
+    random: list[Episode] = field(default_factory=list)
+    planted: dict[str, tuple[Episode, Episode]] = field(default_factory=dict)  # pattern → (clean, hacked)
+    policy: list[Episode] = field(default_factory=list)
+
+    def episodes(self) -> list[Episode]:
+        out = [e for _, e, _ in self.tools] + self.expert + self.random + self.policy
+        out += [e for e in (self.tool_errors, self.max_turns) if e is not None]
+        return out + [e for pair in self.planted.values() for e in pair]
+
+
+def run_probes(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0) -> Probes:
+    make_env, list_tasks = env_factory(cfg)
+    tasks = list_tasks("train")
+    env = make_env()
+    limit = cfg.environment.state.max_turns + 5  # the env must end every episode by max_turns
+    out = Probes(cfg)
+    try:
+        schemas = env.tool_schemas()
+        for label, task, action, valid in tool_probes(schemas, tasks):
+            out.tools.append((label, run_episode(env, task, label, scripted([action]), 1), valid))
+        out.expert = [run_episode(env, t, "expert", ScriptedExpert().act, limit) for t in tasks[:num_tasks]]
+        bad = [{"name": "no_such_tool", "params": {"i": i}} for i in range(limit)]
+        out.tool_errors = run_episode(env, tasks[0], "tool errors", scripted(bad), limit)
+        out.max_turns = run_episode(env, tasks[0], "do nothing", do_nothing_policy(schemas, tasks[0]), limit)
+        rng = random.Random(seed)
+        for i in range(random_episodes):
+            task = tasks[i % len(tasks)]
+            out.random.append(run_episode(env, task, "random", random_policy(rng, schemas, task), limit))
+        inventory = next((t for t in tasks if t.data.get("intent") == "inventory"), tasks[0])
+        clean = run_episode(env, inventory, "expert", ScriptedExpert().act, limit)
+        for pattern, hack in (("repeated_tool_calls", "repeat"), ("context_stuffing", "stuff")):
+            out.planted[pattern] = (clean, run_episode(env, inventory, f"planted {hack}", _Planted(hack), limit))
+    finally:
+        env.close()
+    return out
+
+
+def check_observations(p: Probes) -> Check:
+    fields = list(p.cfg.environment.state.observation_fields)
+    n, problems = 0, []
+    for label, ep, valid in p.tools:
+        obs = ep.observations[-1]
+        if isinstance(obs, Mapping) and obs.get("tool_error") is not (not valid):
+            problems.append(f"{label}: tool_error is {obs.get('tool_error')} "
+                            f"({str(obs.get('last_tool_result'))[:100]})")
+    for ep in p.episodes():
+        for obs in ep.observations[1:]:
+            n += 1
+            problem = observation_problem(obs, fields)
+            if problem:
+                problems.append(f"{ep.probe} on {ep.task.id}: {problem}")
+    seen = f"{len(p.tools)} tool probes, {n} observations"
+    if not problems:
+        return Check("tool observations", "pass", f"{seen}: all structured, errors as {{\"error\": ...}}")
+    first = problems[0]
+    if "last_tool_result" in first:
+        key = "environment.state.observation_fields (add last_tool_result)"
+    elif "timed out" in first:
+        key = "environment.action_space[*].timeout_ms against latency_ms"
+    elif "valid" in first:
+        key = "environment.action_space (a tool's params and timeout_ms) and the tool's implementation"
+    else:
+        key = "environment.state.observation_fields and the environment's observation code"
+    return Check("tool observations", "fail", f"{seen}: {len(problems)} problems; first: {first}",
+                 f"{first}. Look at {key}.")
+
+
+def check_range(p: Probes) -> Check:
+    lo, hi = reward_range(p.cfg)
+    rewards = [(r, ep) for ep in p.episodes() for r in ep.rewards]
+    bad = [(r, ep) for r, ep in rewards if not (math.isfinite(r) and lo - EPS <= r <= hi + EPS)]
+    seen_lo, seen_hi = min(r for r, _ in rewards), max(r for r, _ in rewards)
+    seen = f"{len(rewards)} rewards in [{seen_lo:.3g}, {seen_hi:.3g}]; configured range [{lo:.3g}, {hi:.3g}]"
+    if bad:
+        r, ep = bad[0]
+        return Check("reward range", "fail", seen,
+                     f"{ep.probe} on {ep.task.id} got reward {r}, outside [{lo:.3g}, {hi:.3g}] that the verifier's "
+                     f"weights and penalties allow: the verifier (environment.verifier) does not add up its "
+                     f"components as configured")
+    if seen_hi > 1 + EPS:
+        return Check("reward range", "fail", seen,
+                     f"the counted weights sum to {hi:g}, so a solved episode scores {hi:g} > 1 and rewards leave "
+                     f"[0, 1], the scale advantage_estimation.degenerate_group_filter.min_reward_std and the "
+                     f"success figures are read on; scale the weights to sum to 1: {weights_key(p.cfg)}")
+    return Check("reward range", "pass", seen)
+
+
+def _errors(ep: Episode) -> list[str]:
+    return [str(o.get("last_tool_result")) for o in ep.observations[1:]
+            if isinstance(o, Mapping) and o.get("tool_error")]
+
+
+def want_ending(ep: Episode) -> str:
+    return ESCALATED if ep.task.data.get("must_escalate") else RESOLVED
+
+
+def check_success(p: Probes) -> Check:
+    _, hi = reward_range(p.cfg)
+    env = p.cfg.environment
+    bad = []
+    for ep in p.expert:
+        solved = ep.done and ep.info.get("termination") == want_ending(ep) and ep.info.get("success")
+        if not (solved and abs(ep.reward - hi) < EPS):
+            bad.append(ep)
+    n = len(p.expert)
+    if not bad:
+        return Check("termination/success", "pass", f"the expert's {n} episodes ended resolved or escalated as "
+                                                    f"required, reward {hi:g} each")
+    ep = bad[0]
+    ending, steps = ep.info.get("termination"), ep.steps
+    seen = (f"{len(bad)}/{n} expert episodes not solved; {ep.task.id} ({ep.task.kind}) ended "
+            f"{ending or 'never'} after {steps} steps, reward {ep.reward:.3g}")
+    if ending == MAX_TURNS:
+        why = (f"environment.state.max_turns = {env.state.max_turns} cuts the episode before the expert's "
+               f"{len(ep.task.data.get('solution', []))}-step solution ends; raise it")
+    elif ending == TOOL_ERRORS:
+        errs = _errors(ep)
+        timed_out = [e for e in errs if "timed out" in e]
+        threshold = env.termination.tool_error_threshold
+        why = (f"its calls failed: {errs[:2]}; look at environment.action_space[*].timeout_ms against latency_ms"
+               if timed_out else f"its calls failed: {errs[:2]}; look at environment.action_space and "
+                                 f"environment.termination.tool_error_threshold = {threshold}")
+    elif ep.info.get("hacking_flags"):
+        why = (f"anti-hacking flagged the expert's clean episode {ep.info['hacking_flags']}: look at "
+               f"environment.verifier.anti_hacking.repeat_window / detect_patterns (a false positive)")
+    elif ending == want_ending(ep):
+        low = {k: v for k, v in ep.info.get("reward_components", {}).items() if v < 1}
+        why = (f"it ended as required but components {low} score below 1: look at "
+               f"environment.verifier (rule_based / model_based) and environment.termination.success_criteria")
+    else:
+        why = "look at environment.termination and the expert's tools in environment.action_space"
+    return Check("termination/success", "fail", seen, f"{ep.task.id}: {why}.")
+
+
+def check_tool_errors(p: Probes) -> Check:
+    env, loop = p.cfg.environment, p.cfg.agent_loop
+    threshold, max_turns = env.termination.tool_error_threshold, env.state.max_turns
+    ep = p.tool_errors
+    assert ep is not None
+    ending = ep.info.get("termination")
+    seen = f"{ep.steps} bad calls ended the episode with {ending or 'nothing'} (tool_error_threshold {threshold})"
+    if not (ep.done and ending == TOOL_ERRORS and ep.steps == threshold):
+        if threshold > max_turns:
+            why = (f"environment.termination.tool_error_threshold = {threshold} is above environment.state.max_turns "
+                   f"= {max_turns}: an episode always ends at max_turns first, so tool_errors can never fire; set it "
+                   f"to at most {max_turns}")
+        else:
+            why = (f"{threshold} bad calls should end the episode with tool_errors; look at "
+                   f"environment.termination.tool_error_threshold and the environment's error counting")
+        return Check("termination/tool_errors", "fail", seen, why)
+    steps = max_env_steps(loop.max_assistant_turns, loop.max_parallel_calls)
+    if threshold > steps:
+        return Check("termination/tool_errors", "warn", seen,
+                     f"fires in the environment, but the agent loop stops an episode after agent_loop."
+                     f"max_assistant_turns × max_parallel_calls = {steps} < tool_error_threshold = {threshold} calls")
+    return Check("termination/tool_errors", "pass", seen)
+
+
+def check_max_turns(p: Probes) -> Check:
+    env, loop = p.cfg.environment, p.cfg.agent_loop
+    max_turns, behaviour = env.state.max_turns, env.termination.max_turns_exceeded
+    ep = p.max_turns
+    assert ep is not None
+    info, ending = ep.info, ep.info.get("termination")
+    seen = f"{ep.steps} do-nothing steps ended the episode with {ending or 'nothing'}, reward {ep.reward:.3g}"
+    problem = None
+    if not (ep.done and ending == MAX_TURNS and ep.steps == max_turns):
+        problem = f"the episode should end with max_turns at step {max_turns} (environment.state.max_turns)"
+        if ending == TOOL_ERRORS:
+            problem += "; do-nothing steps were counted as tool errors (environment.action_space)"
+    elif behaviour == "truncate" and not (info.get("truncated") and not info.get("max_turns_failed")):
+        problem = ("environment.termination.max_turns_exceeded = truncate, but the episode was not marked truncated "
+                   f"(info: truncated={info.get('truncated')}, max_turns_failed={info.get('max_turns_failed')})")
+    elif behaviour == "fail" and not (info.get("max_turns_failed") and not info.get("truncated")
+                                      and not info.get("success")
+                                      and all(v == 0 for v in info.get("reward_components", {}).values())):
+        problem = ("environment.termination.max_turns_exceeded = fail, but the episode was not scored as a failure "
+                   f"(components {info.get('reward_components')})")
+    if problem:
+        return Check("termination/max_turns", "fail", seen, problem)
+    seen += f" ({behaviour})"
+    if not max_turns_reachable(p.cfg):
+        steps = max_env_steps(loop.max_assistant_turns, loop.max_parallel_calls)
+        return Check("termination/max_turns", "warn", seen,
+                     f"fires in the environment, but under the agent loop an episode takes at most agent_loop."
+                     f"max_assistant_turns × max_parallel_calls = {steps} steps < environment.state.max_turns = "
+                     f"{max_turns}: the loop's own limit ends it, and max_turns_exceeded: {behaviour} never acts")
+    return Check("termination/max_turns", "pass", seen)
+
+
+def check_components(p: Probes) -> Check:
+    values: dict[str, set[float]] = {}
+    n = 0
+    for ep in p.episodes():
+        comps = ep.info.get("reward_components") if ep.done else None
+        if comps:
+            n += 1
+            for k, v in comps.items():
+                values.setdefault(k, set()).add(round(float(v), 6))
+    weights = counted_weights(p.cfg)
+    counted = list(weights)
+    stuck = {k: sorted(values.get(k, set())) for k in counted if len(values.get(k, set())) < 2}
+    seen = ", ".join(f"{k}: {len(values.get(k, set()))} values" for k in counted) + f" over {n} episodes"
+    if stuck:
+        v = p.cfg.environment.verifier
+        keys = [f"environment.verifier.rule_based[{i}] ({r.check})" for i, r in enumerate(v.rule_based)
+                if r.check in stuck]
+        keys += [f"environment.verifier.model_based[{i}] ({r.rubric})" for i, r in enumerate(v.model_based)
+                 if r.rubric in stuck]
+        desc = "; ".join(f"{k} scored only {vals}" for k, vals in stuck.items())
+        return Check("verifier components", "fail", seen,
+                     f"{desc} across {n} probe episodes (expert, failures, random): a component stuck at one value "
+                     f"carries no signal; look at {', '.join(keys)} and its scoring function")
+    zero = [k for k in counted if weights[k] == 0]
+    if zero:
+        return Check("verifier components", "warn", seen,
+                     f"{zero} score but have weight 0: they never move the reward ({weights_key(p.cfg)})")
+    return Check("verifier components", "pass", seen)
+
+
+def check_hacking(p: Probes) -> list[Check]:
+    ah = p.cfg.environment.verifier.anti_hacking
+    out = []
+    for pattern, (clean, hacked) in p.planted.items():
+        name = f"anti_hacking/{pattern}"
+        if not clean.info.get("success"):
+            out.append(Check(name, "skip", f"the clean expert episode of {clean.task.id} ended "
+                                           f"{clean.info.get('termination')} unsolved: nothing to plant a hack in "
+                                           f"(see termination/success)"))
+            continue
+        flags = hacked.info.get("hacking_flags", {}) or {}
+        seen = (f"planted in an expert episode: flagged {flags.get(pattern, 0)}×, penalty "
+                f"{hacked.info.get('hacking_penalty', 0):.3g}, reward {hacked.reward:.3g} vs {clean.reward:.3g} clean")
+        if not ah.enabled or pattern not in ah.detect_patterns:
+            why = ("environment.verifier.anti_hacking.enabled is false" if not ah.enabled else
+                   f"{pattern} is not in environment.verifier.anti_hacking.detect_patterns")
+            if flags.get(pattern):
+                out.append(Check(name, "fail", seen, f"{why}, yet the pattern was flagged"))
+            else:
+                out.append(Check(name, "warn", seen, f"{why}: this hack goes undetected and unpenalised"))
+            continue
+        penalty = ah.penalty.get(pattern, 0.0)
+        if not flags.get(pattern):
+            out.append(Check(name, "fail", seen,
+                             f"a planted {pattern} was not flagged; look at environment.verifier.anti_hacking."
+                             f"repeat_window = {ah.repeat_window} and the detector (tether/env/anti_hacking.py)"))
+        elif penalty <= 0 or not hacked.info.get("hacking_penalty"):
+            out.append(Check(name, "fail", seen,
+                             f"flagged but free: environment.verifier.anti_hacking.penalty.{pattern} = {penalty:g}, "
+                             f"so the hack costs nothing; set a penalty > 0"))
+        elif hacked.reward >= clean.reward:
+            out.append(Check(name, "fail", seen,
+                             f"the hacked episode scored {hacked.reward:.3g} ≥ the clean {clean.reward:.3g}: the hack "
+                             f"pays; raise environment.verifier.anti_hacking.penalty.{pattern}"))
+        else:
+            out.append(Check(name, "pass", seen))
+    return out
+
+
+def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0,
+               policy: bool = False) -> list[Check]:
+    """Run every probe on ``cfg``'s environment and return the checks (``policy``: also the policy's episodes)."""
+    probes = run_probes(cfg, num_tasks=num_tasks, random_episodes=random_episodes, seed=seed)
+    checks = [check_observations(probes), check_range(probes), check_success(probes), check_tool_errors(probes),
+              check_max_turns(probes), check_components(probes), *check_hacking(probes)]
+    if policy:
+        checks += check_policy(cfg)
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------- the policy
+def check_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[Check]:
+    """A few episodes of the configured policy through the agent loop: rewards in range, tool results structured."""
+    import asyncio
+
+    from tether.pipeline.rollouter import Rollouter
+    from tether.runtime import Runtime
+
+    rt = Runtime.build(cfg)
+    try:
+        groups = asyncio.run(Rollouter(rt.loop(), rt.make_env).groups(rt.tasks("eval")[:num_tasks],
+                                                                      group_size=group_size, seed=0))
+    finally:
+        rt.close()
+    trajs = [t for g in groups for t in g.trajectories]
+    lo, hi = reward_range(cfg)
+    rewards = [t.reward for t in trajs]
+    bad = [r for r in rewards if not (math.isfinite(r) and lo - EPS <= r <= hi + EPS)]
+    calls = sum(t.num_tool_calls for t in trajs)
+    seen = (f"{len(trajs)} policy episodes, rewards in [{min(rewards):.3g}, {max(rewards):.3g}], "
+            f"{calls} tool calls")
+    out = [Check("policy/reward range", "fail" if bad else "pass", seen,
+                 f"rewards {bad[:3]} outside [{lo:.3g}, {hi:.3g}]: look at environment.verifier" if bad else "")]
+    if calls == 0:
+        out.append(Check("policy/tool calls", "fail", seen,
+                         "the policy made no tool call the parser recognised: look at tool_parser.name and "
+                         "tool_parser.stop_token_ids against the model's chat template"))
+    else:
+        out.append(Check("policy/tool calls", "pass", seen))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- output
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"{'check':<{width}}  result  seen", f"{'-' * width}  ------  ----"]
+    lines += [f"{c.name:<{width}}  {c.status:<6}  {c.seen}" for c in checks]
+    notes = [c for c in checks if c.status in ("fail", "warn") and c.diagnosis]
+    if notes:
+        lines.append("")
+        lines += [f"{c.status.upper()} {c.name}: {c.diagnosis}" for c in notes]
+    counts = {s: sum(c.status == s for c in checks) for s in ("pass", "warn", "skip", "fail")}
+    lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+    return "\n".join(lines)
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(c.status == "fail" for c in checks) else 0
