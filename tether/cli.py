@@ -172,6 +172,19 @@ def train(
         raise fail(str(e), code=1) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
+    _print_report(result.run_dir)
+
+
+def _print_report(run_dir: Path) -> None:
+    """Build RUN/report and print its page; the run is done, so a failure here is a warning, not an exit."""
+    try:
+        from tether.report import build_report
+
+        typer.echo(f"report: {build_report(run_dir).index}")
+    except Exception as e:  # noqa: BLE001 — any fault of the plots must not fail a finished training run
+        Console(stderr=True, soft_wrap=True).print(
+            f"[yellow]warning:[/] no report ({escape(type(e).__name__)}: {escape(str(e))}); build it later with "
+            f"tether report {escape(str(run_dir))}", highlight=False)
 
 
 @app.command()
@@ -381,6 +394,25 @@ def ping(
     content = message.get("content")
     shown = repr(content) if isinstance(content, str) else json.dumps(message)[:200]
     typer.echo(f"ok: {client.model} at {display_url(client.base_url)} replied {shown} in {latency * 1000:.0f} ms")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds metrics.jsonl); finished or in progress.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Folder to write (default RUN_DIR/report).")] = None,
+) -> None:
+    """Plot a run's metrics: one PNG per figure (success and reward, learning signal, KL and entropy, staleness,
+    queue, idle ratios, reward components, monitors) and one self-contained HTML page, index.html."""
+    from tether.report import ReportError, build_report
+
+    try:
+        built = build_report(run_dir, out)
+    except (ReportError, OSError) as e:  # OSError: --out is a file, or not writable
+        raise fail(str(e)) from None
+    for note in built.notes:
+        typer.echo(f"note: {note}")
+    typer.echo(f"{len(built.figures)} figures: {', '.join(p.name for p in built.figures)}")
+    typer.echo(f"report: {built.index}")
 
 
 from tether.verify.cli import verify_app  # noqa: E402 — below ``app``; verify commands import from here
