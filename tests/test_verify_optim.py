@@ -140,3 +140,25 @@ def test_a_real_short_run_records_the_signal_and_is_diagnosed(small_run):
     assert "optim/raw_reward_std_within_group > 0.1" in r.output and "max_kl = 0.05" in r.output
     if any(s["optim/raw_reward_std_within_group"] <= 0.1 for s in steps):
         assert "signal collapse" in r.output
+
+
+def test_a_learning_rate_that_makes_kl_explode_is_diagnosed(small_run):
+    """lr = 1 on the tiny model: the KL to the reference reaches ≈ 4 nats per token by step 3 (max_kl 0.05)."""
+    rows, _, run_dir = small_run("kl", "policy_optimization.optimizer.lr=1.0", "trainer.total_steps=4")
+    assert max(r.get("optim/kl_divergence", 0.0) for r in rows) > 0.05
+    r = verify(run_dir)
+    assert r.exit_code == 1
+    assert "✗ optim/kl_divergence < max_kl = 0.05" in r.output and "distribution shift" in r.output
+    assert "lower policy_optimization.optimizer.lr" in r.output
+
+
+def test_the_command_trains_briefly_when_given_configs(tmp_path, tiny_model):
+    from tests.conftest import SMALL_RUN
+
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(SMALL_RUN)
+    r = verify(cfg, "--steps", 2, "--set", f"model.path={tiny_model}")
+    assert r.exit_code in (0, 1), r.output
+    assert "verify optim: steps 1–2" in r.output and "optim/grad_norm in [0.1, 10]" in r.output
+    r = verify(cfg, "--set", "policy_optimization.optimizer.lr=-1")
+    assert r.exit_code == 2 and "lr" in r.output
