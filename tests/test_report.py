@@ -73,7 +73,7 @@ def test_train_prints_the_report_and_tether_report_rebuilds_it(tiny_model, tmp_p
     # --out elsewhere: the same figures, the validation links still reach the run
     other = run_dir.parent / "elsewhere"
     assert report(run_dir, "--out", other).exit_code == 0
-    check_pngs(other, SYNC_FIGURES)
+    assert 'href="../sync/validation/step_3.jsonl"' in check_pngs(other, SYNC_FIGURES)
 
 
 def test_figures_follow_the_metrics_present_and_a_run_in_progress_reads(tmp_path):

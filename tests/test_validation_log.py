@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tether.pipeline.validation import read_validation, write_validation
+from conftest import SMALL_RUN, read_rows
+from tether.pipeline.validation import drop_validation_after, read_validation, write_validation
 from tether.types import Task, Trajectory
 
 
@@ -64,3 +65,34 @@ def test_a_real_run_writes_one_file_per_evaluation(small_run):
             calls = sum(len(m.get("tool_calls", [])) for m in r["messages"] if m["role"] == "assistant")
             assert calls >= r["num_tool_calls"]  # counted calls were all made by the assistant
             json.dumps(r)  # plain JSON, nothing left that a reader could not load
+
+
+def test_drop_validation_after(tmp_path):
+    for step in (0, 2, 10):
+        write_validation(tmp_path, step, [], [])
+    (tmp_path / "validation" / "step_x.jsonl").write_text("")  # not a step file: left alone
+    assert [p.name for p in drop_validation_after(tmp_path, 2)] == ["step_10.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "validation").iterdir()) == ["step_0.jsonl", "step_2.jsonl",
+                                                                          "step_x.jsonl"]
+    assert drop_validation_after(tmp_path / "no-run-yet", 0) == []
+
+
+@pytest.mark.slow
+def test_a_resumed_run_drops_the_evaluations_after_its_checkpoint(tiny_model, tmp_path):
+    """Steps 0–3 evaluated, the step-3 checkpoint lost: resuming from step 2 with eval_every 0 (a change a resume
+    may make) evaluates step 4 only, so step 3's file, from weights the resumed run never had, must go."""
+    import shutil
+
+    from tether.config import load_config
+    from tether.pipeline.trainer import train
+
+    (tmp_path / "run.yaml").write_text(SMALL_RUN)
+    run_dir = tmp_path / "run"
+    base = [f"model.path={tiny_model}", "trainer.save_every=1"]
+    train(load_config([tmp_path / "run.yaml"], [*base, "trainer.eval_every=1"]), run_dir, show_progress=False)
+    assert sorted(p.name for p in (run_dir / "validation").iterdir()) == [f"step_{s}.jsonl" for s in range(4)]
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")
+    cfg = load_config([tmp_path / "run.yaml"], [*base, "trainer.eval_every=0", "trainer.total_steps=4"])
+    train(cfg, run_dir, resume=True, show_progress=False)
+    assert sorted(p.name for p in (run_dir / "validation").iterdir()) == [f"step_{s}.jsonl" for s in (0, 1, 2, 4)]
+    assert [r["step"] for r in read_rows(run_dir) if "eval/success_rate" in r] == [0, 1, 2, 4]

@@ -116,9 +116,10 @@ class Plot:
 PLOTS = (
     Plot("success_reward", "Success and reward",
          (("success rate", (r"eval/success_rate", r"rollout/success_rate")),
+          ("held-out success rate by task kind", (r"eval/success_rate/.+",)),
           ("reward", (r"reward/mean", r"eval/reward_mean"))),
          "Held-out success (eval, at each evaluation) should rise with the training reward; reward up while "
-         "success stays flat is the mark of reward hacking."),
+         "success stays flat is the mark of reward hacking. A kind stuck at 0 is a skill the policy lacks."),
     Plot("learning_signal", "Learning signal",
          (("advantage std", (r"optim/advantage_std.*", r"optim/.*reward_std.*")),
           ("degenerate group ratio", (r"optim/degenerate_group_ratio.*",))),
@@ -169,6 +170,8 @@ def _draw(m: RunMetrics, plot: Plot) -> Figure | None:
             value = m.setting(ref) if isinstance(ref, str) else ref
             if isinstance(value, int | float):
                 ax.axhline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:g}")
+        if all(re.search(r"(success|idle|degenerate_group)_ratio|success_rate", k) for k in keys):
+            ax.set_ylim(-0.03, 1.03)  # a fraction: the whole range, so 0.50 → 0.52 does not look like a leap
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -29,7 +29,7 @@ from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
-from tether.pipeline.validation import write_validation
+from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
 from tether.runtime import Runtime, local_engine
 from tether.types import Task
@@ -197,6 +197,7 @@ class Run:
             assert numbered is not None  # check_run_dir returns a step_N folder
             step = int(numbered.group(1))
             notes = [n for name in ("metrics.jsonl", "samples.jsonl") for n in _truncate_jsonl(run_dir / name, step)]
+            drop_validation_after(run_dir, step)  # the evaluations the resumed run makes again, or may not
             if ckpt is NO_CHECKPOINT_YET:  # nothing to keep, not even step 0's evaluation: it runs again
                 notes.append(f"{run_dir} has no checkpoint yet: the run starts again from step 0")
                 for name in ("metrics.jsonl", "samples.jsonl"):

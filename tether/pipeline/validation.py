@@ -7,7 +7,8 @@ The metrics say *that* success moved; these files say *what* the policy did at t
 second source document asks for ("read the validation generations"), which no metric replaces.
 
 The file of a step is written whole (a temporary file, then a rename), so a reader never sees half a step, and
-a resumed run that evaluates the same step again replaces it instead of appending a second copy.
+a resumed run that evaluates the same step again replaces it instead of appending a second copy; on resume, the
+files of the steps after the checkpoint are removed first (``drop_validation_after``), as metrics.jsonl's rows are.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def write_validation(run_dir: str | Path, step: int, tasks: list[Task], trajs: l
             f.write(json.dumps(validation_row(task, traj), ensure_ascii=False, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def drop_validation_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Remove the validation files of the steps after ``step`` (what an interrupted run evaluated after its last
+    checkpoint: the resumed run evaluates those steps again, or not at all if ``trainer.eval_every`` changed)."""
+    dropped = [p for p in (Path(run_dir) / "validation").glob("step_*.jsonl")
+               if p.stem[len("step_"):].isdigit() and int(p.stem[len("step_"):]) > step]
+    for p in dropped:
+        p.unlink()
+    return dropped
 
 
 def read_validation(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
