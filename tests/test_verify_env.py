@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from tether.cli import app
 from tether.config import load_config
-from tether.types import Task
-from tether.verify.env import Check, Episode, Probes, check_components, check_range, reward_range, verify_env
+from tether.types import Task, Trajectory
+from tether.verify.env import (Check, Episode, Probes, check_components, check_policy, check_range, reward_range,
+                                 verify_env)
 
 ENV_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "seeds" / "env_config.yaml")
 runner = CliRunner()
@@ -116,6 +117,32 @@ def test_a_stuck_component_and_an_out_of_range_reward_are_flagged() -> None:
     assert reward_range(cfg) == (-4.0, 1.0)
     check = check_range(probes)
     assert check.status == "fail" and "got reward 1.5, outside [-4, 1]" in check.diagnosis
+
+
+def test_policy_calls_the_parser_does_not_read() -> None:
+    cfg = load_config([ENV_CONFIG])
+    call = '<tool_call>{"name": "query_inventory", "arguments": {"sku_id": "SKU-123"}}</tool_call>'
+    unparsed = Trajectory("t", [1], messages=[{"role": "user", "content": "How many SKU-123?"},
+                                              {"role": "assistant", "content": call}], reward=0.0)
+    checks = {c.name: c for c in check_policy(cfg, [unparsed, unparsed])}
+    assert checks["policy/reward range"].status == "pass"
+    assert checks["policy/tool calls"].status == "fail"
+    assert "tool_parser.name = hermes" in checks["policy/tool calls"].diagnosis
+    parsed = Trajectory("t", [1], messages=[
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "query_inventory"}}]},
+        {"role": "tool", "content": '{"sku_id": "SKU-123", "stock": 30}\nstate: {}'}], reward=1.0, num_tool_calls=1)
+    assert all(c.status == "pass" for c in check_policy(cfg, [parsed]))
+
+
+def test_policy_episodes_through_the_agent_loop(tiny_model: str) -> None:
+    # the tiny model is untrained: its episodes are structured and in range, but it never calls a tool
+    result = runner.invoke(app, ["verify", "env", ENV_CONFIG, "--policy", "--tasks", "2", "--random", "1", "--set",
+                                 "model.preset=null", "--set", f"model.path={tiny_model}", "--set",
+                                 "engine.max_tokens=8", "--set", "agent_loop.max_assistant_turns=2"])
+    assert result.exit_code == 1, result.output
+    out = result.output
+    assert "policy/reward range               pass    8 policy episodes" in out
+    assert "FAIL policy/tool calls: the policy made no tool call in any episode" in out
 
 
 @pytest.mark.parametrize("args", [["missing.yaml"], [ENV_CONFIG, "--set", "environment.name=nowhere"]])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +39,7 @@ from tether.env.base import Action, Env, Observation
 from tether.env.customer_service.expert import ScriptedExpert
 from tether.env.termination import ESCALATED, MAX_TURNS, RESOLVED, TOOL_ERRORS, max_env_steps, max_turns_reachable
 from tether.runtime import env_factory
-from tether.types import Task
+from tether.types import Task, Trajectory
 
 Status = Literal["pass", "fail", "warn", "skip"]
 Policy = Callable[[Observation], Action]
@@ -546,13 +547,14 @@ def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8,
     checks = [check_observations(probes), check_range(probes), check_success(probes), check_tool_errors(probes),
               check_max_turns(probes), check_components(probes), *check_hacking(probes)]
     if policy:
-        checks += check_policy(cfg)
+        checks += check_policy(cfg, run_policy(cfg))
     return checks
 
 
 # ----------------------------------------------------------------------------------------------- the policy
-def check_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[Check]:
-    """A few episodes of the configured policy through the agent loop: rewards in range, tool results structured."""
+def run_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[Trajectory]:
+    """``group_size`` episodes of each of the first ``num_tasks`` held-out tasks, by the configured policy through
+    the configured agent loop (``Runtime`` + ``Rollouter``, as ``tether eval`` runs them)."""
     import asyncio
 
     from tether.pipeline.rollouter import Rollouter
@@ -561,22 +563,50 @@ def check_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> lis
     rt = Runtime.build(cfg)
     try:
         groups = asyncio.run(Rollouter(rt.loop(), rt.make_env).groups(rt.tasks("eval")[:num_tasks],
-                                                                      group_size=group_size, seed=0))
+                                                                      group_size=group_size, seed=0, keep_failed=True))
     finally:
         rt.close()
-    trajs = [t for g in groups for t in g.trajectories]
+    return [t for g in groups for t in g.trajectories]
+
+
+# A tool call written as text: hermes' <tool_call> tag, or a JSON object with a name and arguments.
+_CALL_TEXT = re.compile(r"<tool_call>|\{\s*\"name\"\s*:.*\"(arguments|parameters)\"", re.DOTALL)
+
+
+def check_policy(cfg: RunConfig, trajs: list[Trajectory]) -> list[Check]:
+    """The policy's episodes: rewards in range, tool messages structured, tool calls parsed."""
     lo, hi = reward_range(cfg)
     rewards = [t.reward for t in trajs]
     bad = [r for r in rewards if not (math.isfinite(r) and lo - EPS <= r <= hi + EPS)]
+    seen = f"{len(trajs)} policy episodes, rewards in [{min(rewards, default=0):.3g}, {max(rewards, default=0):.3g}]"
+    out = [Check("policy/reward range", "fail", seen, f"rewards {bad[:3]} outside [{lo:.3g}, {hi:.3g}]: look at "
+                                                     f"environment.verifier") if bad else
+           Check("policy/reward range", "pass", seen)]
+    tool_msgs = [m for t in trajs for m in t.messages if m.get("role") == "tool"]
+    unstructured = []
+    for m in tool_msgs:
+        try:
+            json.loads(str(m.get("content", "")).split("\n", 1)[0])
+        except json.JSONDecodeError:
+            unstructured.append(str(m.get("content"))[:80])
+    seen = f"{len(tool_msgs)} tool messages"
+    out.append(Check("policy/tool observations", "fail", f"{seen}, {len(unstructured)} not JSON",
+                     f"the tool message {unstructured[0]!r} is not JSON: look at environment.state.observation_fields "
+                     f"(last_tool_result)") if unstructured else Check("policy/tool observations", "pass", seen))
     calls = sum(t.num_tool_calls for t in trajs)
-    seen = (f"{len(trajs)} policy episodes, rewards in [{min(rewards):.3g}, {max(rewards):.3g}], "
-            f"{calls} tool calls")
-    out = [Check("policy/reward range", "fail" if bad else "pass", seen,
-                 f"rewards {bad[:3]} outside [{lo:.3g}, {hi:.3g}]: look at environment.verifier" if bad else "")]
-    if calls == 0:
+    written = [str(m.get("content"))[:80] for t in trajs for m in t.messages
+               if m.get("role") == "assistant" and not m.get("tool_calls") and _CALL_TEXT.search(str(m.get("content")))]
+    seen = f"{calls} tool calls parsed in {len(trajs)} episodes, {len(written)} assistant messages that look like one"
+    if written and (calls == 0 or len(written) > calls):
         out.append(Check("policy/tool calls", "fail", seen,
-                         "the policy made no tool call the parser recognised: look at tool_parser.name and "
-                         "tool_parser.stop_token_ids against the model's chat template"))
+                         f"the model writes tool calls the parser does not read (e.g. {written[0]!r}): look at "
+                         f"tool_parser.name = {cfg.tool_parser.name} and tool_parser.stop_token_ids against the "
+                         f"model's chat template"))
+    elif calls == 0:
+        out.append(Check("policy/tool calls", "fail", seen,
+                         "the policy made no tool call in any episode: an untrained model never calls a tool "
+                         "(model.preset: tiny); warm-start it (tether sft, or model.preset: tiny-sft), or look at "
+                         "tool_parser.name and the model's chat template"))
     else:
         out.append(Check("policy/tool calls", "pass", seen))
     return out
