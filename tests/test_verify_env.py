@@ -11,8 +11,16 @@ from typer.testing import CliRunner
 from tether.cli import app
 from tether.config import load_config
 from tether.types import Task, Trajectory
-from tether.verify.env import (Check, Episode, Probes, check_components, check_policy, check_range, reward_range,
-                                 verify_env)
+from tether.verify.env import (
+    Check,
+    Episode,
+    Probes,
+    check_components,
+    check_policy,
+    check_range,
+    reward_range,
+    verify_env,
+)
 
 ENV_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "seeds" / "env_config.yaml")
 runner = CliRunner()
