@@ -143,8 +143,8 @@ def _valid_value(param: str, spec: Mapping[str, Any], task: Task) -> Any:
     return value if isinstance(value, str) and value else f"probe {param}"
 
 
-def _task_for(tool: str, props: Mapping[str, Any], tasks: list[Task]) -> Task:
-    """A task whose data holds real values for ``tool``'s id parameters (e.g. an inventory task's sku_id)."""
+def _task_for(props: Mapping[str, Any], tasks: list[Task]) -> Task:
+    """A task whose data holds real values for a tool's id parameters (e.g. an inventory task's sku_id)."""
     ids = [p for p in props if p.endswith("_id")]
     for t in tasks:
         if all(isinstance(t.data.get(p), str) for p in ids) and not (ids == ["sku_id"] and t.data.get("order_id")):
@@ -158,7 +158,7 @@ def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task]) -> list[tuple[
     for schema in schemas:
         fn = schema["function"]
         name, props = fn["name"], fn["parameters"].get("properties", {})
-        task = _task_for(name, props, tasks)
+        task = _task_for(props, tasks)
         valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
         out.append((f"{name} valid", task, {"name": name, "params": valid}, True))
         if props:
@@ -283,10 +283,9 @@ class Probes:
     max_turns: Episode | None = None
     random: list[Episode] = field(default_factory=list)
     planted: dict[str, tuple[Episode, Episode]] = field(default_factory=dict)  # pattern → (clean, hacked)
-    policy: list[Episode] = field(default_factory=list)
 
     def episodes(self) -> list[Episode]:
-        out = [e for _, e, _ in self.tools] + self.expert + self.random + self.policy
+        out = [e for _, e, _ in self.tools] + self.expert + self.random
         out += [e for e in (self.tool_errors, self.max_turns) if e is not None]
         return out + [e for pair in self.planted.values() for e in pair]
 
