@@ -99,6 +99,7 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
             notes.append(f"config.yaml: unreadable, left out ({str(e).splitlines()[0]})")
     return RunMetrics(sorted(rows, key=lambda r: int(r["step"])), notes, config)
 
+
 # -- figures -----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
