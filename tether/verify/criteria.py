@@ -26,13 +26,15 @@ class VerifyInputError(ValueError):
 
 @dataclass
 class Criterion:
-    """``holds(value)`` must be true for each step's value (``on_mean``: for the mean over the steps)."""
+    """``holds(value)`` must be true for each step's value (``on_mean``: for the mean over the steps); with a
+    ``tolerance``, the criterion still passes when at most that fraction of the checked steps fail."""
 
     name: str  # as printed, e.g. "optim/grad_norm in [0.1, 10]"
     holds: Callable[[float], bool]  # NaN fails every comparison, so a NaN value fails
     diagnosis: str  # what a failure means
     remedy: str  # the config keys (and actions) that address it
     on_mean: bool = False
+    tolerance: float = 0.0
     values: dict[int, float] = field(default_factory=dict)  # step → value, only the steps it was checked on
     note: str = ""  # why it was not checked, when it was not
 
@@ -48,7 +50,7 @@ class Criterion:
 
     @property
     def passed(self) -> bool:
-        return not self.failed_steps
+        return len(self.failed_steps) <= self.tolerance * len(self.values)
 
     def fill(self, rows: Rows, key: str) -> None:
         """The values of metric ``key`` on the rows that have it."""
@@ -120,6 +122,8 @@ def render(report: Report, console: Console | None = None) -> None:
         detail = _steps(failed) if failed else ""
         if c.on_mean:
             detail = f"mean {c.mean:.3g} over the steps" + (" (fails)" if failed else "")
+        elif failed and c.tolerance:
+            detail += f" ({'within' if c.passed else 'above'} the {c.tolerance:.0%} of steps allowed)"
         table.add_row(escape(c.name), str(len(c.values)), str(len(c.values) - len(failed)), str(len(failed)),
                       escape(detail))
     console.print(table)
