@@ -153,7 +153,7 @@ def browser_images(page_text: str, tmp_path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary on PATH (apt-get install chromium); the page's "
-                                             "structure is still checked by test_report_of_a_real_run")
+                                             "structure is still checked without a browser")
 def test_the_page_loads_every_figure_in_a_headless_browser(small_run, tmp_path):
     _, _, run_dir = small_run("async", "rollout.mode=fully_async", "rollout.scheduler.max_staleness=2",
                               "trainer.eval_every=2")
