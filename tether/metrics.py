@@ -124,6 +124,26 @@ def make_sinks(cfg: RunConfig, run_dir: str | Path, *, resume_step: int | None =
     return sinks
 
 
+def read_jsonl_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """The rows of a ``metrics.jsonl``-style file, one JSON object with a ``step`` a line, in file order, and the
+    lines that are not (``(line number, text)``): a torn last line left by a kill or a full disk, or damage.
+    Callers decide what a bad line means (the resume drops a torn last one, a report skips it, verify refuses)."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    rows: list[dict[str, Any]] = []
+    bad: list[tuple[int, str]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row["step"] = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            bad.append((n, line))
+            continue
+        rows.append(row)
+    return rows, bad
+
+
 class MetricsRecorder:
     """Accumulates values between flushes; thread-safe (rollouts record from worker threads)."""
 

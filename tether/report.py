@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import os
 import re
@@ -28,6 +27,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from tether.metrics import read_jsonl_rows
 
 FIG_INCHES, DPI = (10.0, 4.0), 100
 FIG_PX = (int(FIG_INCHES[0] * DPI), int(FIG_INCHES[1] * DPI))  # (width, height) of every PNG
@@ -76,19 +77,10 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"{path} does not exist: is {run_dir} a run directory (tether train --run-dir)?")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    rows, notes = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            where = "the last line (still being written?)" if n == len(lines) else f"line {n}"
-            notes.append(f"metrics.jsonl: skipped {where}, not a JSON row with a step ({line[:60]!r})")
-            continue
-        rows.append(row)
+    rows, bad = read_jsonl_rows(path)
+    last = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
+    notes = [f"metrics.jsonl: skipped {'the last line (still being written?)' if n == last else f'line {n}'}, "
+             f"not a JSON row with a step ({line[:60]!r})" for n, line in bad]
     config: dict[str, Any] = {}
     if (run_dir / "config.yaml").is_file():
         import yaml

@@ -23,7 +23,7 @@ import torch
 from tether.config import RunConfig
 from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from tether.learner.learner import Learner
-from tether.metrics import MetricsRecorder, make_sinks, record_metric, set_recorder
+from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress
@@ -62,23 +62,17 @@ def _truncate_jsonl(path: Path, last_step: int) -> list[str]:
     short by a kill or a full disk); returns what was dropped, in words. A damaged line elsewhere is an error."""
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept, notes = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            if n == len(lines):
-                notes.append(f"{path}: dropped a torn last line ({len(line)} characters) left by the interruption")
-                continue
+    rows, bad = read_jsonl_rows(path)
+    last_line = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
+    notes = []
+    for n, line in bad:
+        if n != last_line:
             raise RunDirError(f"{path}, line {n}: not a JSON row with a step ({line[:80]!r}); fix or remove the "
-                              "line, then --resume again") from None
-        if step <= last_step:
-            kept.append(line)
-    if len(kept) < len(lines):
-        path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
+                              "line, then --resume again")
+        notes.append(f"{path}: dropped a torn last line ({len(line)} characters) left by the interruption")
+    kept = [row for row in rows if row["step"] <= last_step]
+    if len(kept) < len(rows) or bad:
+        path.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in kept), encoding="utf-8")
     return notes
 
 

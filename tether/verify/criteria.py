@@ -7,7 +7,6 @@ steps that failed and, for each failed criterion, its diagnosis and the config k
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from tether.metrics import read_jsonl_rows
 
 Rows = dict[int, dict[str, float]]  # step → that step's metrics row
 
@@ -84,15 +85,13 @@ def read_rows(run_dir: Path, steps: int | None = None) -> Rows:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise VerifyInputError(f"{path} does not exist: give a run directory (`tether train --run-dir DIR`)")
+    read, bad = read_jsonl_rows(path)
+    if bad:
+        n, line = bad[0]
+        raise VerifyInputError(f"{path}:{n} is not a metrics row (a JSON object with a step): {line[:80]}")
     rows: Rows = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            step = int(row.pop("step"))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise VerifyInputError(f"{path}:{n} is not a metrics row ({e}): {line[:80]}") from None
+    for row in read:
+        step = row.pop("step")
         if step >= 1 and (steps is None or step <= steps):
             rows[step] = row
     if not rows:
