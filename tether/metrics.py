@@ -124,6 +124,35 @@ def make_sinks(cfg: RunConfig, run_dir: str | Path, *, resume_step: int | None =
     return sinks
 
 
+class BusyClock:
+    """Wall time during which at least one job is in flight (thread-safe): ``enter`` / ``leave`` around each job.
+    The rollouter's busy time (``perf/rollouter_idle_ratio``) and a remote engine's ``busy_s`` are this clock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._total += time.perf_counter() - self._since
+
+    @property
+    def busy_s(self) -> float:
+        """Busy seconds so far, the running stretch included."""
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._in_flight else 0.0)
+
+
 def read_jsonl_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
     """The rows of a ``metrics.jsonl``-style file, one JSON object with a ``step`` a line, in file order, and the
     lines that are not (``(line number, text)``): a torn last line left by a kill or a full disk, or damage.

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
+from tether.metrics import BusyClock
 
 T = TypeVar("T")
 _FINISH: tuple[FinishReason, ...] = ("stop", "length", "abort")
@@ -79,8 +80,7 @@ class RemoteEngine:
         self.stats: defaultdict[str, float] = defaultdict(float)  # requests, tokens, busy_s, weight_update*
         self._version = version
         self._lock = threading.Lock()  # guards stats and the in-flight count (requests come from several loops)
-        self._in_flight = 0
-        self._busy_since = 0.0
+        self._clock = BusyClock()  # stats["busy_s"]: wall time with a request in flight
         self._last_folder: Path | None = None
         self._control = _LoopThread()  # weight pushes run on a loop of their own: update_weights is synchronous
         self._closed = False
@@ -189,16 +189,12 @@ class RemoteEngine:
     # --- bookkeeping -------------------------------------------------------------------------------
 
     def _enter(self) -> None:
-        with self._lock:
-            if self._in_flight == 0:
-                self._busy_since = time.perf_counter()
-            self._in_flight += 1
+        self._clock.enter()
 
     def _leave(self) -> None:
+        self._clock.leave()
         with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self.stats["busy_s"] += time.perf_counter() - self._busy_since
+            self.stats["busy_s"] = self._clock.busy_s
 
     def _write_folder(self, state_dict: dict[str, Any], version: int) -> tuple[Path, int]:
         """``weight_sync_dir/v{version}``: model.safetensors (+ config.json), written whole before it appears."""

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from tether.algo.advantages import Normalization
 from tether.config import RunConfig
-from tether.metrics import record_metric
+from tether.metrics import BusyClock, record_metric
 from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.faults import fault
 from tether.pipeline.ledger import Ledger
@@ -163,11 +163,8 @@ class AsyncSource:
         if start_step:
             record_metric("rollout/regenerated_after_resume", ledger.open_before(start_step), "sum")
         self._stop = threading.Event()
-        self._busy_since: float | None = None
-        self._in_flight = 0
-        self._busy_s = 0.0
+        self._busy = BusyClock()  # wall time with a group in flight: perf/rollouter_idle_ratio
         self._t0 = time.perf_counter()
-        self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tether-rollouter", daemon=True)
         self._thread.start()
@@ -203,7 +200,7 @@ class AsyncSource:
             job.cancel()
 
     async def _one(self, task: Task, size: int, step: int, index: int, seq: int, sem: asyncio.Semaphore) -> None:
-        self._mark(+1)
+        self._busy.enter()
         start_version = self.weights.version
         try:
             produced = await self.producer.produce(task, size, step, index)
@@ -216,18 +213,8 @@ class AsyncSource:
             record_metric("rollout/failed_groups", 1, "sum")
             log.warning("dropping group %d: %s", seq, e)
         finally:
-            self._mark(-1)
+            self._busy.leave()
             sem.release()
-
-    def _mark(self, delta: int) -> None:
-        with self._lock:
-            now = time.perf_counter()
-            if self._in_flight == 0 and delta > 0:
-                self._busy_since = now
-            self._in_flight += delta
-            if self._in_flight == 0 and self._busy_since is not None:
-                self._busy_s += now - self._busy_since
-                self._busy_since = None
 
     # -- trainer side --------------------------------------------------------------------------------
     def _drop_stale(self, records: list[QueuedGroup]) -> None:
@@ -276,8 +263,7 @@ class AsyncSource:
         record_metric("rollout/stale_trajectory_processed", 0.0, "sum")
         for k, v in {**self.accounting(), **self.buffer.metrics()}.items():
             record_metric(k, v, "last")
-        with self._lock:
-            busy = self._busy_s + (time.perf_counter() - self._busy_since if self._busy_since else 0.0)
+        busy = self._busy.busy_s
         record_metric("perf/rollouter_idle_ratio", 1.0 - busy / max(time.perf_counter() - self._t0, 1e-9), "last")
         return StepBatch(produced, wait)
 
