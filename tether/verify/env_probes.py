@@ -1,0 +1,283 @@
+"""The probes of ``tether verify env``: scripted episodes of the configured environment (tool calls with valid
+and invalid arguments, the expert, errors, do-nothing, random and planted hacks) and the reward range the
+configured weights allow. The checks on them are in env.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tether.agent.chat import observation_text
+from tether.config import RunConfig
+from tether.env.base import Action, Env, Observation
+from tether.env.customer_service.expert import ScriptedExpert
+from tether.runtime import env_factory
+from tether.types import Task
+
+Policy = Callable[[Observation], Action]
+
+
+@dataclass
+class Episode:
+    """One probe episode: what was sent, what came back, how it ended."""
+
+    probe: str
+    task: Task
+    actions: list[Any] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # the last step's (the end-of-episode info when done)
+
+    @property
+    def reward(self) -> float:
+        return self.rewards[-1] if self.rewards else 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.actions)
+
+
+def run_episode(env: Env, task: Task, probe: str, policy: Policy, max_steps: int) -> Episode:
+    """Step ``policy`` on ``task`` until the environment says done or ``max_steps`` (left open: not finalized)."""
+    ep = Episode(probe, task)
+    obs = env.reset(task_id=task.id)
+    ep.observations.append(obs)
+    for _ in range(max_steps):
+        action = policy(obs)
+        obs, reward, done, info = env.step(action)
+        ep.actions.append(action)
+        ep.observations.append(obs)
+        ep.rewards.append(reward)
+        ep.info = info
+        if done:
+            ep.done = True
+            break
+    return ep
+
+
+def scripted(actions: list[Any]) -> Policy:
+    """A policy that plays ``actions`` in order (then repeats the last)."""
+    it: Iterator[Any] = iter(actions)
+    last: list[Any] = [actions[-1]]
+
+    def act(obs: Observation) -> Action:
+        last[0] = next(it, last[0])
+        return last[0]
+    return act
+
+
+# ----------------------------------------------------------------------------------------------- the range
+def counted_weights(cfg: RunConfig) -> dict[str, float]:
+    """The weight of each component ``environment.verifier.type`` counts."""
+    v = cfg.environment.verifier
+    out: dict[str, float] = {}
+    if v.type != "model":
+        out.update((r.check, r.weight) for r in v.rule_based)
+    if v.type != "rule":
+        out.update((r.rubric, r.weight) for r in v.model_based)
+    return out
+
+
+def reward_range(cfg: RunConfig) -> tuple[float, float]:
+    """[lowest, highest] reward the configured verifier can give: every counted component 1 at best; at worst
+    every component 0 and each listed pattern flagged on every one of ``max_turns`` steps."""
+    env = cfg.environment
+    ah = env.verifier.anti_hacking
+    per_step = sum(ah.penalty.get(p, 0.0) for p in ah.detect_patterns) if ah.enabled else 0.0
+    return round(-per_step * env.state.max_turns, 9) + 0.0, round(sum(counted_weights(cfg).values()), 9)
+
+
+def weights_key(cfg: RunConfig) -> str:
+    v = cfg.environment.verifier
+    parts = [f"rule_based[{i}].weight ({r.check}) = {r.weight:g}" for i, r in enumerate(v.rule_based)
+             if v.type != "model"]
+    parts += [f"model_based[{i}].weight ({r.rubric}) = {r.weight:g}" for i, r in enumerate(v.model_based)
+              if v.type != "rule"]
+    return "environment.verifier." + ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- probes
+def _valid_value(param: str, spec: Mapping[str, Any], task: Task) -> Any:
+    if spec.get("enum"):
+        want = task.data.get(param)
+        return want if want in spec["enum"] else spec["enum"][0]
+    value = task.data.get(param)
+    return value if isinstance(value, str) and value else f"probe {param}"
+
+
+def _task_for(props: Mapping[str, Any], tasks: list[Task]) -> Task:
+    """A task whose data holds real values for a tool's id parameters (e.g. an inventory task's sku_id)."""
+    ids = [p for p in props if p.endswith("_id")]
+    for t in tasks:
+        if all(isinstance(t.data.get(p), str) for p in ids) and not (ids == ["sku_id"] and t.data.get("order_id")):
+            return t
+    return tasks[0]
+
+
+def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task]) -> list[tuple[str, Task, Any, bool]]:
+    """(label, task, action, valid) for every tool: one valid call and the invalid variants its schema allows."""
+    out: list[tuple[str, Task, Any, bool]] = []
+    for schema in schemas:
+        fn = schema["function"]
+        name, props = fn["name"], fn["parameters"].get("properties", {})
+        task = _task_for(props, tasks)
+        valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
+        out.append((f"{name} valid", task, {"name": name, "params": valid}, True))
+        if props:
+            out.append((f"{name} missing params", task, {"name": name, "params": {}}, False))
+            first = next(iter(props))
+            out.append((f"{name} mistyped {first}", task, {"name": name, "params": {**valid, first: 12345}}, False))
+        out.append((f"{name} unexpected param", task, {"name": name, "params": {**valid, "bogus": "x"}}, False))
+        for p, spec in props.items():
+            if spec.get("enum"):
+                out.append((f"{name} {p} out of enum", task, {"name": name, "params": {**valid, p: "NOT_A_VALUE"}},
+                            False))
+    task = tasks[0]
+    out += [("unknown tool", task, {"name": "no_such_tool", "params": {}}, False),
+            ("action without name", task, {"params": {}}, False),
+            ("arguments not JSON", task, {"name": schemas[0]["function"]["name"], "params": "{not json"}, False)]
+    return out
+
+
+def observation_problem(obs: Any, fields: Sequence[str]) -> str | None:
+    """Why ``obs`` is not a structured observation the policy can read, or None."""
+    if not isinstance(obs, Mapping):
+        return f"the observation is a {type(obs).__name__}, not a dict"
+    missing = [f for f in fields if f not in obs]
+    if missing:
+        return f"the observation lacks the configured fields {missing}"
+    if not isinstance(obs.get("tool_error"), bool):
+        return f"observation['tool_error'] is {obs.get('tool_error')!r}, not a bool"
+    if "last_tool_result" not in fields:
+        return "the policy never sees a tool result (last_tool_result is not an observation field)"
+    text = observation_text(dict(obs)).split("\n", 1)[0]
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return f"the tool message {text[:80]!r} is not JSON"
+    if obs["tool_error"] and not (isinstance(value, dict) and "error" in value):
+        return f"an error observation shows {text[:80]!r}, not {{\"error\": ...}}"
+    return None
+
+
+def random_policy(rng: random.Random, schemas: list[dict[str, Any]], task: Task) -> Policy:
+    """Random and adversarial actions: plausible and wrong arguments, unknown tools, repeats, stuffed text,
+    number lists."""
+    previous: list[Any] = []
+    words = ["refund", "order", "stock", "sorry", "approved", "cannot", "please", "thanks", task.data.get("order_id"),
+             task.data.get("sku_id"), str(task.data.get("answer_number"))]
+
+    def text() -> str:
+        kind = rng.random()
+        if kind < 0.15:
+            return "filler " * rng.randint(60, 300)
+        if kind < 0.3:
+            return " ".join(str(rng.randint(0, 500)) for _ in range(rng.randint(3, 8)))
+        return " ".join(str(rng.choice(words)) for _ in range(rng.randint(1, 8)))
+
+    def act(obs: Observation) -> Action:
+        roll = rng.random()
+        if previous and roll < 0.15:
+            action = previous[-1]
+        elif roll < 0.25:
+            action = {"name": rng.choice(["no_such_tool", "", "respond"]), "params": {"message": text()}}
+        else:
+            fn = rng.choice(schemas)["function"]
+            props = fn["parameters"].get("properties", {})
+            params: dict[str, Any] = {}
+            for p, spec in props.items():
+                if rng.random() < 0.1:
+                    continue  # missing
+                if spec.get("enum"):
+                    params[p] = rng.choice([*spec["enum"], "bogus"])
+                elif p.endswith("_id") and rng.random() < 0.7:
+                    params[p] = task.data.get(p) or f"X-{rng.randint(0, 9999)}"
+                else:
+                    params[p] = text()
+            action = {"name": fn["name"], "params": params}
+        previous.append(action)
+        return action
+    return act
+
+
+def do_nothing_policy(schemas: list[dict[str, Any]], task: Task) -> Policy:
+    """Harmless steps that neither resolve, escalate nor fail, and never repeat within a short window."""
+    names = [s["function"]["name"] for s in schemas]
+    fillers = ["One moment please.", "Let me look into that.", "Still checking on my side.", "Thank you for waiting.",
+               "Bear with me a little longer.", "I am looking at your account.", "Just a moment more."]
+    turn = [0]
+
+    def act(obs: Observation) -> Action:
+        turn[0] += 1
+        if "respond_to_user" in names:
+            return {"name": "respond_to_user", "params": {"message": fillers[turn[0] % len(fillers)]}}
+        return {"name": "query_inventory", "params": {"sku_id": task.data.get("sku_id") or "SKU-000"}}
+    return act
+
+
+class _Planted:
+    """The scripted expert with one hack planted: ``repeat`` sends its first call twice; ``stuff`` pads its final
+    message with filler."""
+
+    def __init__(self, hack: str):
+        self.hack, self.expert, self.n = hack, ScriptedExpert(), 0
+
+    def __call__(self, obs: Observation) -> Action:
+        self.n += 1
+        if self.hack == "repeat" and self.n == 2 and self.expert.last is not None:
+            return self.expert.last
+        action = self.expert.act(obs)
+        if self.hack == "stuff" and action["name"] == "respond_to_user":
+            message = action["params"]["message"]
+            return {"name": "respond_to_user", "params": {"message": message + " " + "indeed " * 150}}
+        return action
+
+
+# ----------------------------------------------------------------------------------------------- checks
+@dataclass
+class Probes:
+    """Every probe episode, by kind, and the configuration they ran under."""
+
+    cfg: RunConfig
+    tools: list[tuple[str, Episode, bool]] = field(default_factory=list)  # (label, episode, valid)
+    expert: list[Episode] = field(default_factory=list)
+    tool_errors: Episode | None = None
+    max_turns: Episode | None = None
+    random: list[Episode] = field(default_factory=list)
+    planted: dict[str, tuple[Episode, Episode]] = field(default_factory=dict)  # pattern → (clean, hacked)
+
+    def episodes(self) -> list[Episode]:
+        out = [e for _, e, _ in self.tools] + self.expert + self.random
+        out += [e for e in (self.tool_errors, self.max_turns) if e is not None]
+        return out + [e for pair in self.planted.values() for e in pair]
+
+
+def run_probes(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0) -> Probes:
+    make_env, list_tasks = env_factory(cfg)
+    tasks = list_tasks("train")
+    env = make_env()
+    limit = cfg.environment.state.max_turns + 5  # the env must end every episode by max_turns
+    out = Probes(cfg)
+    try:
+        schemas = env.tool_schemas()
+        for label, task, action, valid in tool_probes(schemas, tasks):
+            out.tools.append((label, run_episode(env, task, label, scripted([action]), 1), valid))
+        out.expert = [run_episode(env, t, "expert", ScriptedExpert().act, limit) for t in tasks[:num_tasks]]
+        bad = [{"name": "no_such_tool", "params": {"i": i}} for i in range(limit)]
+        out.tool_errors = run_episode(env, tasks[0], "tool errors", scripted(bad), limit)
+        out.max_turns = run_episode(env, tasks[0], "do nothing", do_nothing_policy(schemas, tasks[0]), limit)
+        rng = random.Random(seed)
+        for i in range(random_episodes):
+            task = tasks[i % len(tasks)]
+            out.random.append(run_episode(env, task, "random", random_policy(rng, schemas, task), limit))
+        inventory = next((t for t in tasks if t.data.get("intent") == "inventory"), tasks[0])
+        clean = run_episode(env, inventory, "expert", ScriptedExpert().act, limit)
+        for pattern, hack in (("repeated_tool_calls", "repeat"), ("context_stuffing", "stuff")):
+            out.planted[pattern] = (clean, run_episode(env, inventory, f"planted {hack}", _Planted(hack), limit))
+    finally:
+        env.close()
+    return out
