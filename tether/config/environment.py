@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import string
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import *  # noqa: F401,F403 — the shared types
 from tether.config.base import NonNegInt, PosInt, Section, Weight, _check  # noqa: F401
+from tether.config.sections import LLMClientConfig
 
 # ----------------------------------------------------------------------------- environment
 
-HackPattern = Literal["repeated_tool_calls", "context_stuffing"]
-ObservationField = Literal["last_tool_result", "user_intent", "order_status", "inventory_snapshot"]
+HackPattern = Literal["repeated_tool_calls", "context_stuffing", "no_op_pass"]
+Word = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# What the built-in customer-service environment offers (its env checks them too; here so that `tether config` does).
+CUSTOMER_SERVICE = "customer_service_agent"
+CS_OBSERVATION_FIELDS = ("last_tool_result", "user_intent", "order_status", "inventory_snapshot")
+CS_RULE_CHECKS = ("refund_amount_correct", "policy_compliance")
 
 
 class LatencySpec(Section):
@@ -77,13 +83,14 @@ class StateConfig(Section):
     """Maximum length of prompt + response, in tokens; the episode ends (truncated) when it is reached."""
     memory: MemoryConfig = MemoryConfig()
     """History handling."""
-    observation_fields: list[ObservationField] = [
+    observation_fields: list[Word] = [
         "last_tool_result",
         "user_intent",
         "order_status",
         "inventory_snapshot",
     ]
-    """Fields included in each observation."""
+    """Fields included in each observation: last_tool_result and the environment's own (customer service:
+    user_intent, order_status, inventory_snapshot; a plugin environment's ``observations``)."""
 
 
 class TerminationConfig(Section):
@@ -101,19 +108,46 @@ class TerminationConfig(Section):
 class RuleCheck(Section):
     """A rule-based reward component."""
 
-    check: Literal["refund_amount_correct", "policy_compliance"]
-    """Which rule (``tether.env.customer_service.grading``)."""
+    check: Word
+    """Which rule check of the environment (customer service: refund_amount_correct, policy_compliance — see
+    ``tether.env.customer_service.grading``; a plugin environment's ``rules``)."""
     weight: Weight
     """Weight of this component in the reward, in [0, 10]."""
+
+
+RUBRIC_FIELDS = ("task", "conversation", "tool_calls", "final_answer")  # what a rubric prompt may refer to
 
 
 class RubricCheck(Section):
-    """A rubric-scored reward component."""
+    """A rubric-scored reward component: a name, a weight and, for the LLM judge, a prompt."""
 
-    rubric: Literal["response_quality", "efficiency"]
-    """Which rubric (scored by the deterministic judge)."""
+    rubric: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+    """The rubric's name (a word; it names the component ``reward/<rubric>``). The deterministic judge knows the
+    environment's own rubrics (customer service: response_quality, efficiency); the LLM judge scores any rubric
+    that has a ``prompt``, and the environment's own ones without one (their built-in prompts)."""
     weight: Weight
     """Weight of this component in the reward, in [0, 10]."""
+    prompt: str | None = None
+    """The LLM judge's instructions for this rubric, with the episode filled in where the text says
+    ``{task}`` (the user's request), ``{conversation}``, ``{tool_calls}`` (each call, its arguments and result) and
+    ``{final_answer}`` (write ``{{`` / ``}}`` for a literal brace); the answer format (a last line ``SCORE: <0..1>``)
+    is appended by the judge. None = the environment's built-in prompt of this rubric. Read only with
+    ``verifier.judge: llm``. tether's own key."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _known_fields(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(v) if name is not None]
+        except ValueError as e:
+            raise ValueError(f"not a valid template ({e}); write {{{{ and }}}} for literal braces") from None
+        bad = sorted({n for n in names if n not in RUBRIC_FIELDS})
+        if bad:
+            raise ValueError(f"refers to {bad}; a rubric prompt may refer to {list(RUBRIC_FIELDS)} "
+                             "(write {{ and }} for literal braces)")
+        return v
 
 
 class AntiHackingConfig(Section):
@@ -127,8 +161,6 @@ class AntiHackingConfig(Section):
     """Reward subtracted per detected pattern, in reward units."""
     repeat_window: PosInt = 4
     """Previous tool calls looked back when detecting repeated identical calls, in calls."""
-    judge: Literal["deterministic"] = "deterministic"
-    """Who scores rubrics. deterministic (plain functions, no judge model is called) is the only value today."""
 
 
 class VerifierConfig(Section):
@@ -148,13 +180,43 @@ class VerifierConfig(Section):
     """Rubric-based components."""
     anti_hacking: AntiHackingConfig = AntiHackingConfig()
     """Reward-hacking detection."""
+    judge: Literal["deterministic", "llm"] = "deterministic"
+    """Who scores the rubrics of model_based: deterministic — plain functions of the environment, no model is
+    called (the offline default); llm — an LLM judge at ``reward.judge_client``, one prompt per rubric, scored by
+    the reward loop while generation goes on (``tether.reward``; the first source document's model-based rubrics).
+    tether's own key (the issue's ``verifier.model_based.judge``: model_based is the seed's list)."""
+
+    @model_validator(mode="after")
+    def _rubrics(self) -> VerifierConfig:
+        names = [r.rubric for r in self.model_based]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        _check(not dup, f"rubric names must be unique; {dup} appear more than once", model_based=names)
+        prompted = [i for i, r in enumerate(self.model_based) if r.prompt is not None]
+        _check(self.judge == "llm" or not prompted,
+               "a rubric prompt is read by the LLM judge only: set environment.verifier.judge: llm, or remove "
+               f"the prompt of model_based{prompted}", judge=self.judge)
+        return self
+
+
+class UserLLMConfig(Section):
+    """The LLM user simulator (``environment.user_simulator: llm``)."""
+
+    client: LLMClientConfig
+    """The simulator's OpenAI-compatible endpoint (base_url, model, api_key as ``${VAR}``, timeout_s, max_retries
+    and the endpoint's limits); its system prompt holds the task's hidden user goal."""
+    temperature: NonNegFloat = 0.7
+    """Sampling temperature of the simulated user (unitless)."""
+    max_tokens: PosInt = 128
+    """Most tokens of one user reply, in tokens."""
 
 
 class EnvironmentConfig(Section):
     """The environment the agent acts in (defaults: the seed's customer-service agent)."""
 
-    name: str = "customer_service_agent"
-    """Registered environment name (``tether.runtime.ENVIRONMENTS``)."""
+    name: str = CUSTOMER_SERVICE
+    """Which environment: a registered name (customer_service_agent), an import path ``package.module:attribute``,
+    the name of a ``tether.environments`` entry point of an installed package, or ``tau2:<domain>``
+    (``tether.env.plugin.registry``)."""
     type: Literal["gym_like"] = "gym_like"
     """Interface. gym_like (``reset``/``step``) is the only value today."""
     action_space: list[ToolSpec] = Field(default_factory=_default_tools)
@@ -168,8 +230,41 @@ class EnvironmentConfig(Section):
     seed: int = 0
     """Seed of task generation and simulated users."""
     num_train_tasks: PosInt = 256
-    """Generated training tasks, in tasks."""
+    """Generated training tasks, in tasks; a plugin environment with its own tasks uses at most this many (the
+    first ones)."""
     num_eval_tasks: PosInt = 64
-    """Generated held-out tasks, in tasks."""
+    """Generated held-out tasks, in tasks; a plugin environment with its own tasks uses at most this many."""
+    user_simulator: Literal["scripted", "llm"] = "scripted"
+    """Who plays the user: scripted — templated replies, resolved when a message states the right outcome (the
+    offline default); llm — a model at ``user_llm.client`` that knows the task's hidden goal and says when it is
+    resolved (tau-bench's user simulator). tether's own key."""
+    user_llm: UserLLMConfig | None = None
+    """The LLM user simulator's endpoint and sampling; required with ``user_simulator: llm``, refused otherwise."""
 
+    @model_validator(mode="after")
+    def _user_llm(self) -> EnvironmentConfig:
+        _check((self.user_simulator == "llm") == (self.user_llm is not None),
+               "user_llm configures the LLM user simulator: give it exactly when user_simulator is llm",
+               user_simulator=self.user_simulator, user_llm="set" if self.user_llm is not None else None)
+        if self.user_llm is not None:  # the tool returns the user's reply: its timeout must cover the user's answer
+            for i, spec in enumerate(self.action_space):
+                need = self.user_llm.client.timeout_s * 1000
+                _check(spec.name != "respond_to_user" or spec.timeout_ms >= need,
+                       f"respond_to_user returns the simulated user's reply, so its timeout must cover one request to "
+                       f"the LLM user: raise action_space[{i}].timeout_ms to at least {need:g} or lower "
+                       f"user_llm.client.timeout_s",
+                       **{f"action_space[{i}].timeout_ms": spec.timeout_ms,
+                          "user_llm.client.timeout_s": self.user_llm.client.timeout_s})
+        return self
 
+    @model_validator(mode="after")
+    def _customer_service_names(self) -> EnvironmentConfig:
+        if self.name != CUSTOMER_SERVICE:
+            return self  # a plugin environment checks its own names when it is built
+        for i, f in enumerate(self.state.observation_fields):
+            _check(f in CS_OBSERVATION_FIELDS, f"the {CUSTOMER_SERVICE} environment observes "
+                   + " or ".join(map(repr, CS_OBSERVATION_FIELDS)), **{f"state.observation_fields.{i}": f})
+        for i, r in enumerate(self.verifier.rule_based):
+            _check(r.check in CS_RULE_CHECKS, f"the {CUSTOMER_SERVICE} environment's rule checks are "
+                   + " or ".join(map(repr, CS_RULE_CHECKS)), **{f"verifier.rule_based.{i}.check": r.check})
+        return self
