@@ -341,6 +341,7 @@ class _Episode:
                             for b in rest]
         tr.messages = self.messages
         tr.reward_components = dict(info.get("reward_components", {}))
+        tr.pending_judge = info.get("pending_judge")  # rubrics the reward loop scores (verifier.judge: llm)
         tr.hacking_flags = dict(info.get("hacking_flags", {}))
         tr.success = bool(info.get("success", False))
         tr.termination = str(info.get("termination", ""))
