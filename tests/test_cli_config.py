@@ -53,7 +53,7 @@ def test_fully_async_seed_alone_resolves_to_fully_async():
 def test_seed_with_unbuilt_feature_exits_2_naming_the_keys():
     result = runner.invoke(app, ["config", str(SEEDS[5])])
     assert SEEDS[5].name == "separation_config.yaml" and result.exit_code == 2
-    for key in ("resource_pool.trainer_pool.num_gpus", "actor_worker.strategy"):
+    for key in ("resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus"):
         assert f"`{key}`" in result.stderr
     assert "not supported yet" in result.stderr and "Ray backend" in result.stderr
     assert result.stdout == "" and "Traceback" not in result.output

@@ -25,8 +25,7 @@ SEEDS = ["agent_loop_config.yaml", "async_pipeline.yaml", "env_config.yaml",
          "fully_async_ppo.yaml", "policy_optim.yaml", "separation_config.yaml"]
 # the seed keys whose feature is not built: loading them is refused, naming each key (tether.config.support)
 REFUSED_IN_SEED = {
-    "separation_config.yaml": ["resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus",
-                               "actor_worker.class", "actor_worker.strategy"],
+    "separation_config.yaml": ["resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus"],
 }
 
 

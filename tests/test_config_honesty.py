@@ -33,7 +33,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 # (--set override, the key the message names, the words that say what is missing)
 REFUSED = [
     ("resource_pool.trainer_pool.num_gpus=0", "`resource_pool.trainer_pool.num_gpus` (--set)", "Ray backend"),
-    ("actor_worker.strategy=fsdp", "`actor_worker.strategy` (--set)", "Ray backend"),
+    ("actor_worker.strategy=megatron", "`actor_worker.strategy` = 'megatron' (--set)", "FSDP2 only"),
     ("backend=ray", "`backend` = 'ray' (--set)", "Ray backend is not built"),
 ]
 
@@ -248,8 +248,8 @@ def test_explain_pins_one_key(tmp_path):
 
 def test_explain_names_the_seed_and_what_is_not_built():
     text = explain("actor_worker.strategy")
-    assert "type: one of 'fsdp', 'fsdp2', 'veOmni', 'megatron'" in text
-    assert "named by: separation_config.yaml" in text and "not supported yet (setting it is refused" in text
+    assert "type: one of 'none', 'fsdp', 'fsdp2', 'veOmni', 'megatron'" in text
+    assert "named by: separation_config.yaml" in text and "not supported yet (some values are refused" in text
     text = explain("rollout.mode")
     assert "named by: async_pipeline.yaml" in text and "default: sync" in text
     assert "type: 'gym_like' (the only value today)" in explain("environment.type")

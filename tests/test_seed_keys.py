@@ -492,8 +492,10 @@ KEY_TESTS.update({
        for k in ("llm_client.base_url", "llm_client.api_key", "llm_client.model")},
     # refused until the Ray backend exists
     **{k: "tests/test_config.py::test_each_seed_file_loads_or_names_its_unbuilt_keys" for k in (
-        "resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus", "actor_worker.class",
-        "actor_worker.strategy")},
+        "resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus")},
+    # the trainer's worker (tests/test_detach_worker.py, tests/test_fsdp2.py)
+    "actor_worker.class": "tests/test_detach_worker.py::test_flipping_the_class_changes_a_run_inside_a_sync_window",
+    "actor_worker.strategy": "tests/test_fsdp2.py::test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes",
     # environment
     "environment.name": "tests/test_seed_keys.py::test_environment_name_selects_the_environment",
     "environment.action_space":

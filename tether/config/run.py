@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, model_validator
 
+from tether.config.actor import ActorWorkerConfig
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
@@ -52,7 +53,7 @@ class RunConfig(Section):
     resource_pool: ResourcePoolConfig = ResourcePoolConfig()
     """Resource pools (Ray backend; not built yet: refused at load)."""
     actor_worker: ActorWorkerConfig = ActorWorkerConfig()
-    """Actor worker (Ray backend; not built yet: refused at load)."""
+    """The trainer's worker: π_prox across a sync window, sharding (``tether.config.actor``)."""
     backend: Literal["local", "ray"] = "local"
     """local: one process (asyncio + threads). ray (the components as Ray actors) is not built yet and is
     refused at load."""

@@ -374,16 +374,6 @@ class ResourcePoolConfig(Section):
     """Rollout resources."""
 
 
-class ActorWorkerConfig(Section):
-    """The trainer's actor worker (``backend: ray``). **Not built yet**: setting any key of this section is
-    refused at load."""
-
-    class_: str = Field("DetachActorWorker", alias="class")
-    """Worker implementation (DetachActorWorker can offload to CPU and restore)."""
-    strategy: Literal["fsdp", "fsdp2", "veOmni", "megatron"] = "fsdp2"
-    """Parallelism strategy of the trainer's model."""
-
-
 class MetricsConfig(Section):
     """Where metrics go (``metrics.jsonl`` is always written)."""
 

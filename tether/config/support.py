@@ -29,8 +29,9 @@ class NotBuilt:
 UNSUPPORTED: tuple[NotBuilt, ...] = (
     NotBuilt(("resource_pool",), "separate resource pools belong to the Ray backend, which is not built yet; "
                                  "remove the `resource_pool` section"),
-    NotBuilt(("actor_worker",), "the trainer's actor worker (DetachActorWorker, FSDP/Megatron strategies) belongs "
-                                "to the Ray backend, which is not built yet; remove the `actor_worker` section"),
+    NotBuilt(("actor_worker", "strategy"), "the trainer shards its model with FSDP2 only (tether.learner.fsdp); "
+                                           "use `actor_worker.strategy: fsdp2` (or `fsdp`, the same) or `none`",
+             lambda v: v in ("veOmni", "megatron")),
     NotBuilt(("backend",), "the Ray backend is not built yet; use `backend: local` (one process)",
              lambda v: v == "ray"),
 )

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tether.learner import fsdp
 from tether.learner.learner import Learner
 
 STATE_FILE = "trainer_state.pt"
@@ -55,7 +56,7 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"  # no step_N name: never taken for one
     tmp.mkdir()
     try:
-        learner.model.save_pretrained(tmp)
+        fsdp.unsharded(learner.model).save_pretrained(tmp)  # FSDP2: the whole weights
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         state = {
@@ -63,7 +64,7 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
             "version": learner.version,
             "kl_coef": float(learner.kl_coef),
             "kl_guard_stops": int(learner.kl_guard_stops),  # cumulative counters continue across a resume
-            "optimizer": learner.optimizer.state_dict(),
+            "optimizer": fsdp.optimizer_state(learner),
             "rng": _rng_state(),
             "extra": extra,
         }
@@ -97,7 +98,7 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
     if state.get("format") != _FORMAT:
         raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this tether reads {_FORMAT}")
     _load_weights(learner.model, path)
-    learner.optimizer.load_state_dict(state["optimizer"])
+    fsdp.load_optimizer_state(learner, state["optimizer"])
     learner.version = int(state["version"])
     learner.kl_coef = float(state["kl_coef"])
     learner.kl_guard_stops = int(state.get("kl_guard_stops", 0))
@@ -139,6 +140,8 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(f))
+    if isinstance(model, fsdp.FSDPModule):  # each rank keeps its shards of the whole weights
+        return fsdp.load_weights(model, weights)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # save_pretrained leaves out a tied parameter (lm_head = embed_tokens); anything else missing is an error.
     loaded_storage = {t.data_ptr() for k, t in model.state_dict().items() if k in weights}

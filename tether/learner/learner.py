@@ -75,8 +75,10 @@ from tether.algo.aggregation import AggMode
 from tether.algo.kl_control import exceeds_max_kl, kl_controller
 from tether.config import RunConfig
 from tether.learner.batch import TrainBatch
+from tether.learner.detach import make_worker
 from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
+from tether.learner.ranks import Ranks, full_tensor
 from tether.metrics import record_metric
 from tether.types import Trajectory
 
@@ -124,6 +126,11 @@ class Learner:
         self.optimizer = PolicyOptimizer.from_config(model.parameters(), po.optimizer)
         self.pad_id = _pad_id(model)
         self.version = 0  # trainer steps completed
+        self.ranks = Ranks()  # one process; tether.learner.fsdp.sharded_learner sets this rank's place among several
+        # actor_worker.class: DetachActorWorker keeps π_prox at the last sync's weights (tether.learner.detach);
+        # the initial weights are those the rollout engine starts from
+        self.worker = make_worker(cfg.actor_worker.class_, model, self.optimizer)
+        self.worker.on_sync(self.version)
         log.info("learner: %s", self.describe())
 
     @property
@@ -167,7 +174,8 @@ class Learner:
         device = next(self.model.parameters()).device
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
         if self.objective.needs_prox:
-            batch.prox_logp = self._score(batch, device)
+            with self.worker.prox_weights(self.version):
+                batch.prox_logp = self._score(batch, device)
         norm_len = self.norm_len  # a constant of the config, never of this batch's lengths
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
@@ -219,16 +227,20 @@ class Learner:
         denom = cast(torch.Tensor, sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros))
         self.optimizer.zero_grad()
         total = torch.zeros((), device=device)
-        kl: list[tuple[float, float]] = []
+        tok: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for mb in micros:
-            loss, tok_metrics = self._micro_loss(mb, denom, norm_len)
-            loss.backward()
-            total += loss.detach()
-            n_tok = float(mb.loss_mask.sum())
+            mine, weight = self.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
+            loss, tok_metrics = self._micro_loss(mine, denom, norm_len)
+            (loss if weight == 1.0 else loss * weight).backward()
+            total += loss.detach() * weight
+            n_tok = float(mine.loss_mask.sum()) * weight
             for name, value in tok_metrics.items():
-                acc[name].append((float(value), n_tok))
-            if "optim/kl_divergence" in tok_metrics:
-                kl.append((float(tok_metrics["optim/kl_divergence"]), n_tok))
+                tok[name].append((float(value), n_tok))
+        tok = self.ranks.merge(tok)  # over the ranks: every rank sees the same metrics, KL and loss
+        for name, values in tok.items():
+            acc[name].extend(values)
+        kl = tok.get("optim/kl_divergence", [])
+        total = self.ranks.sum(total)
         result = self.optimizer.update(loss_is_finite=bool(torch.isfinite(total)))
         acc["optim/loss"].append((float(total), 1.0))
         acc["optim/lr"] = [(result.lr, 1.0)]
@@ -276,7 +288,7 @@ class Learner:
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
 
 
 def _pad_id(model: torch.nn.Module) -> int:

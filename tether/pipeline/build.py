@@ -22,6 +22,7 @@ import torch
 
 from tether.config import RunConfig
 from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.learner.fsdp import run_learner, unsharded
 from tether.learner.learner import Learner
 from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
@@ -140,7 +141,7 @@ class Evaluator:
         self.cfg, self.learner, self.weights = cfg, learner, weights
         self.tasks = rt.tasks("eval")[: cfg.trainer.eval_tasks or None]
         self.own_engine = cfg.trainer.use_trainer_do_validate and cfg.rollout.mode != "sync"
-        self.engine = local_engine(cfg, learner.model) if self.own_engine else rt.engine
+        self.engine = local_engine(cfg, unsharded(learner.model)) if self.own_engine else rt.engine
         loop = rt.loop(greedy=True) if not self.own_engine else _greedy_loop(rt, self.engine)
         self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
 
@@ -205,7 +206,7 @@ class Run:
         rt = Runtime.build(cfg, model_dir)
         closers: list[Callable[[], object]] = [rt.close]
         try:
-            learner = Learner(rt.model, None, cfg)
+            learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
             derived = cfg.derived()
             sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
             allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})
@@ -216,6 +217,8 @@ class Run:
                 allocator.load_state_dict(extra["allocator"])
             every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
             weights = WeightSync(rt.engine, learner, every, start_step=start)
+            # DetachActorWorker keeps the pushed weights: π_prox for the steps until the next sync
+            weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
             if ckpt is not None:
                 weights.push()
             evaluator = Evaluator(cfg, rt, learner, weights)

@@ -1,0 +1,203 @@
+"""FSDP2 for the trainer (``actor_worker.strategy: fsdp2``; ``fsdp`` is the same): the Learner's step data
+parallel over ranks, its parameters, gradients and AdamW moments sharded by PyTorch's ``fully_shard``.
+
+    ranks = init_ranks()                                  # torchrun's env; gloo on CPU, NCCL on GPU
+    learner = sharded_learner(model, cfg, ranks)          # every rank, the same model and config
+    learner.train_step(trajectories, advantages)          # every rank, the same trajectories
+    weights = learner.state_dict_for_engine()             # every rank (a collective); whole tensors
+
+One Learner per rank runs the very same ``train_step``; ``tether.learner.ranks`` gives each rank its share of
+every micro-batch and sums what must be summed, and each decoder layer (then the root: embeddings, final norm,
+LM head) is one ``fully_shard`` unit, gathered for its forward and backward and freed after. Gradients are
+*summed* across ranks (FSDP's default averages them): each rank's loss is already its share of the whole
+mini-batch's loss, so the sum is the single-process gradient. ``clip_grad_norm_`` on the sharded gradients
+gives the global norm, so the clip and the non-finite guard decide the same on every rank.
+
+π_prox (with an off-policy correction) and the KL reference are scored on the whole batch by every rank: a
+forward is a collective, and the batch is small next to the weights. The reference model is sharded the same way.
+
+A rank is a process: ``torchrun --nproc-per-node N`` (or ``torch.multiprocessing``, or a Ray actor per rank)
+sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_ranks`` reads them.
+
+**In a run** (``run_learner``, ``backend: local`` and the Ray backend's one trainer actor) the trainer is one
+process, so ``fsdp2`` shards over a group of one rank: the same code path, with FSDP's mixed precision and CPU
+offload (``gpu_smoke.sh``), whose multi-rank arithmetic ``tests/test_fsdp2.py`` checks. A run with several
+trainer ranks needs its rollouts sent to every rank, which no backend does yet: ``run_learner`` refuses a
+``WORLD_SIZE`` above 1. Checkpoints and the evaluation engine see whole weights (``unsharded``); the optimizer
+state is saved whole, keyed by parameter name (``optimizer_state`` / ``load_optimizer_state``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from tether.config import RunConfig
+from tether.learner.learner import Learner
+from tether.learner.ranks import Ranks, full_tensor
+
+STRATEGIES = ("fsdp", "fsdp2")  # the values of actor_worker.strategy that shard with fully_shard
+
+
+def init_ranks(backend: str | None = None) -> Ranks:
+    """Join (or reuse) the default process group from torchrun's environment variables; returns this rank.
+
+    ``backend``: None = NCCL when CUDA is available, else gloo. With CUDA, ``LOCAL_RANK`` picks the device."""
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"FSDP2 ranks need {', '.join(missing)} in the environment (torchrun sets them; "
+                               "one process: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>)")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def device_mesh() -> DeviceMesh:
+    """A 1-D mesh over every rank of the default group, on this rank's device type."""
+    kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(kind, (dist.get_world_size(),))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` in Qwen2/Llama): one FSDP unit
+    each."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.nn.ModuleList) and len(obj):
+            return list(obj)
+    raise ValueError(f"{type(model).__name__}: no decoder layers found to shard (looked for model.layers, "
+                     "transformer.h, gpt_neox.layers, model.decoder.layers)")
+
+
+def shard_model(model: Any, mesh: DeviceMesh | None = None, *, param_dtype: torch.dtype | None = None,
+                offload: bool = False) -> Any:
+    """``fully_shard`` each decoder layer, then the root, in place; gradients summed (not averaged) over ranks.
+
+    ``param_dtype``: compute in this dtype (e.g. bfloat16) with float32 master weights and gradient reduction;
+    None = the parameters' own. ``offload``: keep the sharded parameters, gradients and optimizer state in CPU
+    memory between uses (``CPUOffloadPolicy``)."""
+    mesh = mesh or device_mesh()
+    kwargs: dict[str, Any] = dict(
+        mesh=mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None))
+    if mesh.device_type == "cuda" and not offload:
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the sum: add the gradients
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def sharded_learner(model: Any, cfg: RunConfig, ranks: Ranks, *,
+                    param_dtype: torch.dtype | None = None) -> Learner:
+    """A Learner whose model (and KL reference, when KL is on) is sharded over ``ranks`` by ``shard_model``.
+
+    Call it on every rank with the same model weights; the model is sharded in place."""
+    ref: Any = None
+    if cfg.policy_optimization.kl_control.type != "none":
+        ref = shard_model(copy.deepcopy(model).requires_grad_(False), param_dtype=param_dtype)
+    learner = Learner(shard_model(model, param_dtype=param_dtype), ref, cfg)
+    learner.ranks = ranks
+    return learner
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights of a sharded model, on every rank (a collective), on the CPU."""
+    return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------- in a run
+
+
+def run_learner(model: Any, cfg: RunConfig) -> Learner:
+    """The run's learner as ``actor_worker.strategy`` lays it out: plain (``none``), or sharded by FSDP2 over the
+    trainer's one rank (a process group of one is started when none is running: gloo on CPU, NCCL on GPU)."""
+    if cfg.actor_worker.strategy not in STRATEGIES:
+        return Learner(model, None, cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise RuntimeError(f"actor_worker.strategy: {cfg.actor_worker.strategy} with WORLD_SIZE={world}: a run trains "
+                           "with one trainer process (several ranks need their rollouts sent to every rank, which is "
+                           "not built); launch the run as one process, without torchrun")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    return sharded_learner(model, cfg, init_ranks())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def is_sharded(model: Any) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def unsharded(model: Any) -> Any:
+    """``model`` itself, or for a sharded one a plain copy of its class with the whole weights (a collective), for
+    ``save_pretrained`` and an engine of its own."""
+    if not is_sharded(model):
+        return model
+    cls: Any = next(c for c in type(model).__bases__ if not issubclass(c, FSDPModule))  # FSDP<cls> → cls
+    with torch.device("meta"):
+        plain = cls(model.config)
+    plain.load_state_dict(full_state_dict(model), assign=True)
+    for name, buf in model.named_buffers():  # non-persistent buffers (rotary frequencies) are not in a state dict
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner).register_buffer(leaf, buf.detach().cpu().clone(), persistent=False)
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = model.generation_config
+    return plain.eval()
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load whole weights into a sharded model (each rank keeps its shards). A tied LM head may be absent."""
+    whole: dict[str, Any] = dict(weights)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def optimizer_state(learner: Learner) -> dict[str, Any]:
+    """``PolicyOptimizer.state_dict()``, with a sharded model's AdamW state whole and keyed by parameter name."""
+    state = learner.optimizer.state_dict()
+    if isinstance(learner.model, FSDPModule):
+        state["optimizer"] = get_optimizer_state_dict(learner.model, learner.optimizer.optimizer,
+                                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state
+
+
+def load_optimizer_state(learner: Learner, state: dict[str, Any]) -> None:
+    """The inverse of ``optimizer_state``."""
+    if isinstance(learner.model, FSDPModule):
+        set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        state = {**state, "optimizer": learner.optimizer.optimizer.state_dict()}
+    learner.optimizer.load_state_dict(state)
