@@ -134,11 +134,13 @@ def train(
 ) -> None:
     """Train with the merged config FILES (e.g. an example config plus seed files).
 
-    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 130 / 143 stopped by SIGINT /
-    SIGTERM after saving a checkpoint (resume with --resume)."""
+    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 3 stopped by a monitor
+    (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
+    checkpoint (resume with --resume)."""
     import time
 
     from tether.learner.checkpoint import latest_checkpoint
+    from tether.pipeline.monitors import MonitorStop
     from tether.pipeline.preemption import Preempted
     from tether.pipeline.rollouter import RolloutError
     from tether.pipeline.trainer import train as run_training
@@ -153,9 +155,11 @@ def train(
             check_weights(folder)
     try:
         result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
-    except Preempted as e:
+    except (Preempted, MonitorStop) as e:
+        hint = ("change the keys the warnings above name, then resume with (adding --allow-config-change KEY for "
+                "each changed key)") if isinstance(e, MonitorStop) else "resume with"
         Console(stderr=True, soft_wrap=True).print(
-            f"{escape(str(e))}\nresume with: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
+            f"{escape(str(e))}\n{hint}: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None

@@ -190,6 +190,11 @@ class MetricsRecorder:
                 raise ValueError(f"metric {name!r} recorded with reduce={reduce!r} after reduce={prev!r}")
             self._values[name].append(float(value))
 
+    def peek(self) -> dict[str, float]:
+        """The row ``flush`` would write now, without writing it."""
+        with self._lock:
+            return {k: _reduce(v, self._reduce[k]) for k, v in self._values.items() if v}
+
     def flush(self, step: int) -> dict[str, float]:
         with self._lock:
             row = {k: _reduce(v, self._reduce[k]) for k, v in self._values.items() if v}

@@ -12,6 +12,7 @@ validating a file needs no secret, and no dump, ``repr`` or log ever shows the v
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import ConfigError, CrossFieldError, Secret, Section, interpolate  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
+from tether.config.monitors import MonitorsConfig  # noqa: F401
 from tether.config.policy import *  # noqa: F401,F403
 from tether.config.run import RunConfig, load_config  # noqa: F401
 from tether.config.sections import *  # noqa: F401,F403

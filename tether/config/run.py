@@ -13,6 +13,7 @@ from tether.config.actor import ActorWorkerConfig
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
+from tether.config.monitors import MonitorsConfig
 from tether.config.policy import *  # noqa: F401,F403
 from tether.config.sections import *  # noqa: F401,F403
 from tether.config.sections import PIPELINES
@@ -59,6 +60,8 @@ class RunConfig(Section):
     refused at load."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Checks that watch the run while it trains (``tether.pipeline.monitors``)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:

@@ -27,7 +27,7 @@ from tether.learner.learner import Learner
 from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
-from tether.pipeline.progress import Progress
+from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.validation import drop_validation_after, write_validation
@@ -79,7 +79,7 @@ def _truncate_jsonl(path: Path, last_step: int) -> list[str]:
 
 # Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.eval_tasks",
-                     "metrics.")
+                     "metrics.", "monitors.")
 
 
 def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -203,8 +203,13 @@ class Run:
         for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
             shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
         torch.manual_seed(cfg.trainer.seed)
-        rt = Runtime.build(cfg, model_dir)
-        closers: list[Callable[[], object]] = [rt.close]
+        closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
+        try:
+            rt = Runtime.build(cfg, model_dir)
+        except BaseException:
+            closers[0]()
+            raise
+        closers.append(rt.close)
         try:
             learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
             derived = cfg.derived()

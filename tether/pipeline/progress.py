@@ -1,7 +1,12 @@
 """What a person watching a run sees: a rich progress bar (step, reward, success rate, samples/s) and,
-at each evaluation, a small table of sample rollouts."""
+at each evaluation, a small table of sample rollouts — and what a person grepping it later reads: the run's log,
+``RUN/train.log`` (warnings, monitor findings, one ``parameter sync: param_version=N`` line per weight sync)."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -11,6 +16,26 @@ from rich.table import Table
 
 from tether.agent.loop import transcript
 from tether.types import Task, Trajectory
+
+RUN_LOG = logging.getLogger("tether.run")  # the run's own log: RUN/train.log while a run is open, else nowhere
+RUN_LOG.addHandler(logging.NullHandler())
+RUN_LOG.propagate = False
+RUN_LOG.setLevel(logging.INFO)
+
+
+def log_to_file(path: Path) -> Callable[[], None]:
+    """Append the run's log (and the warnings of the rest of tether) to ``path``; returns the undo."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.INFO)
+    for logger in (RUN_LOG, logging.getLogger("tether")):
+        logger.addHandler(handler)
+
+    def close() -> None:
+        for logger in (RUN_LOG, logging.getLogger("tether")):
+            logger.removeHandler(handler)
+        handler.close()
+    return close
 
 
 class Progress:
@@ -33,6 +58,7 @@ class Progress:
         """Shown even when the progress bar is off: a warning is for the person running the job. Not wrapped, so
         that a path or key in it stays whole for grep and for copying."""
         self.console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+        RUN_LOG.warning(text)
 
     def update(self, step: int, row: dict[str, float]) -> None:
         stats = (f"reward {row.get('reward/mean', float('nan')):.3f}  "

@@ -2,7 +2,7 @@
 from (sync or a background rollouter) in modes.py; how a group is produced (rollouts, diversity bonus,
 degenerate-group resampling) in shaping.py.
 
-    next batch → group-relative advantages → learner update → weight sync when due → log / eval / save
+    next batch → group-relative advantages → learner update → weight sync when due → monitors → log / eval / save
 
 Steps are numbered from 1; held-out evaluation is logged at step 0 (before any update), every
 ``trainer.eval_every`` steps and at the end. The tasks of step s are a pure function of (seed, s), so a
@@ -22,6 +22,7 @@ from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.build import Run
 from tether.pipeline.faults import fault
+from tether.pipeline.monitors import Monitors, MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
 from tether.types import Group, Trajectory
@@ -39,7 +40,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
           show_progress: bool = True, allow_config_change: tuple[str, ...] = ()) -> RunResult:
     run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress,
                     allow_config_change=allow_config_change)
-    tr = cfg.trainer
+    tr, monitors = cfg.trainer, Monitors(cfg)
     with run, PreemptionGuard() as stop:
         eval_before = run.eval(0) if run.start == 0 else {}
         if run.start == 0:
@@ -66,13 +67,19 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
                 eval_after = run.eval(step)
                 fault("eval", step)
             run.log_samples(step, batch.produced)
+            findings = monitors.observe(step, run.recorder.peek(), [p.group for p in batch.produced])
+            for finding in findings:
+                run.progress.warn(str(finding))
+            halt = bool(findings) and monitors.stop
             run.progress.update(step, run.recorder.flush(step))  # the row first: a checkpoint never lacks its row
             fault("metrics", step)
-            if last or _due(tr.save_every, step) or stop.requested:
+            if last or _due(tr.save_every, step) or stop.requested or halt:
                 run.save(step)
                 fault("save", step)
             if stop.requested and not last:
                 raise Preempted(stop.requested.name, stop.requested.value, step, str(run.checkpoint(step)))
+            if halt and not last:
+                raise MonitorStop(findings, step, str(run.checkpoint(step)))
     return RunResult(run.run_dir, tr.total_steps, eval_before, eval_after)
 
 

@@ -13,11 +13,14 @@ versions, as in verl's fully-async trainer and AReaL.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tether.metrics import record_metric
+
+RUN_LOG = logging.getLogger("tether.run")  # RUN/train.log (tether.pipeline.progress)
 
 
 class WeightSync:
@@ -38,7 +41,9 @@ class WeightSync:
         self.engine.update_weights(self.learner.state_dict_for_engine(), self.version)
         for listener in self._listeners:
             listener(self.version)
-        record_metric("perf/weight_sync_s", time.perf_counter() - t, "sum")
+        elapsed = time.perf_counter() - t
+        record_metric("perf/weight_sync_s", elapsed, "sum")
+        RUN_LOG.info("parameter sync: param_version=%d pushed to the rollout engine in %.3f s", self.version, elapsed)
 
     def after_step(self, step: int) -> bool:
         """Sync when ``step`` completes a sync interval; returns whether it did."""

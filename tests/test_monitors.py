@@ -1,0 +1,152 @@
+"""Monitors (tether.pipeline.monitors): each check fires on hand-made rows at its threshold, once, after its
+patience; every ``monitors.*`` key flipped changes what fires; end to end, a run writes ``monitor/*`` metrics,
+the warning and ``parameter sync`` lines in RUN/train.log, and ``on_fail: stop`` stops with exit code 3."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from tether.cli import app
+from tether.config import RunConfig
+from tether.pipeline.monitors import Monitors
+from tether.types import Group, Trajectory
+
+from conftest import SMALL_RUN, read_rows
+
+HEALTHY = {"optim/entropy": 0.8, "optim/raw_reward_std_within_group": 0.3,
+           "optim/degenerate_group_ratio_before_filter": 0.25, "optim/kl_divergence": 0.001,
+           "optim/is_masked_fraction": 0.01, "reward/mean": 0.5, "rollout/success_rate": 0.5}
+
+
+def cfg(**monitors) -> RunConfig:
+    return RunConfig.model_validate({"monitors": monitors})
+
+
+def run_rows(monitors: Monitors, rows: list[dict], groups=()) -> list[tuple[int, str]]:
+    """Feed ``rows`` as steps 1, 2, …; the (step, check) of every finding."""
+    found = []
+    for step, row in enumerate(rows, 1):
+        found += [(f.step, f.check) for f in monitors.observe(step, {**HEALTHY, **row}, groups)]
+    return found
+
+
+def test_a_healthy_run_is_silent():
+    assert run_rows(Monitors(cfg()), [{}] * 20) == []
+
+
+@pytest.mark.parametrize("check, metric, bad", [
+    ("exploration/entropy", "optim/entropy", 0.1),  # < min_entropy_ratio 0.2 × the first step's 0.8
+    ("signal/reward_std", "optim/raw_reward_std_within_group", 0.04),  # < 0.05
+    ("signal/degenerate_groups", "optim/degenerate_group_ratio_before_filter", 0.95),  # > 0.9
+    ("shift/kl", "optim/kl_divergence", 0.06),  # > max_kl 0.05
+    ("shift/importance_ratio", "optim/is_masked_fraction", 0.25),  # > 0.2
+])
+def test_a_check_fires_once_after_patience_steps_in_a_row(check, metric, bad):
+    # ok, bad, bad, ok (streak broken), bad, bad, bad (3rd in a row: fires at step 7), bad (no second warning)
+    rows = [{}] + [{metric: bad}] * 2 + [{}] + [{metric: bad}] * 4
+    assert run_rows(Monitors(cfg()), rows) == [(7, check)]
+
+
+def test_staleness_above_the_bound_fails_at_once():
+    c = RunConfig.model_validate({"rollout": {"mode": "fully_async", "scheduler": {"max_staleness": 2}}})
+    assert run_rows(Monitors(c), [{"rollout/policy_version_lag_max": 2.0}] * 3
+                    + [{"rollout/policy_version_lag_max": 3.0}]) == [(4, "shift/staleness")]
+
+
+def test_nan_kl_from_skipped_updates_is_not_a_kl_failure():
+    assert run_rows(Monitors(cfg()), [{"optim/kl_divergence": float("nan")}] * 5) == []
+
+
+def test_reward_up_while_success_flat():
+    # window 4: reward 0.2, 0.2 | 0.4, 0.4 → +0.2 ≥ reward_rise 0.1; success 0.5, 0.5 | 0.52, 0.52 → +0.02 < 0.2/4
+    rows = [{"reward/mean": r, "rollout/success_rate": s} for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.52), (0.4, 0.52)]]
+    assert run_rows(Monitors(cfg(trend_window=4)), rows) == [(4, "hacking/reward_without_success")]
+    # the same rise with success rising by 0.1 (≥ 0.05): learning, not hacking
+    learning = [{"reward/mean": r, "rollout/success_rate": s} for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.6), (0.4, 0.6)]]
+    assert run_rows(Monitors(cfg(trend_window=4)), learning) == []
+
+
+def traj(calls: list[str], flags: dict[str, int] | None = None) -> Trajectory:
+    msgs = [{"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": c, "arguments": "{}"}}]} for c in calls]
+    return Trajectory(task_id="t", prompt_ids=[1], messages=msgs, hacking_flags=flags or {})
+
+
+def test_distinct_strategies_and_hacking_rate_are_measured_from_the_groups():
+    same = Group("a", [traj(["query_inventory"]) for _ in range(4)])  # 1 strategy
+    mixed = Group("b", [traj(["query_inventory"]), traj(["check_refund_policy"]),
+                        traj(["query_inventory"], {"repeated_tool_calls": 1}), traj(["escalate_to_human"])])  # 3
+    m = Monitors(cfg(patience=1))
+    found = [f.check for f in m.observe(1, HEALTHY, [same, mixed])]
+    assert m.history[-1]["monitor/distinct_strategies"] == pytest.approx((1 + 3) / 2)  # 2.0 ≥ 1.25: holds
+    assert m.history[-1]["monitor/hacking_flag_rate"] == pytest.approx(1 / 8)  # > 0.1: fails
+    assert found == ["hacking/flags"]
+    assert [f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, [same])] == ["exploration/strategies"]
+
+
+@pytest.mark.parametrize("key, value, rows, before, after", [
+    ("enabled", False, [{}] + [{"optim/entropy": 0.0}] * 3, ["exploration/entropy"], []),
+    ("patience", 5, [{}] + [{"optim/entropy": 0.0}] * 3, ["exploration/entropy"], []),
+    ("min_entropy_ratio", 0.1, [{}] + [{"optim/entropy": 0.1}] * 3, ["exploration/entropy"], []),  # 0.1 ≥ 0.08
+    ("min_reward_std", 0.03, [{"optim/raw_reward_std_within_group": 0.04}] * 3, ["signal/reward_std"], []),
+    ("max_degenerate_ratio", 0.99, [{"optim/degenerate_group_ratio_before_filter": 0.95}] * 3,
+     ["signal/degenerate_groups"], []),
+    ("max_is_masked_fraction", 0.3, [{"optim/is_masked_fraction": 0.25}] * 3, ["shift/importance_ratio"], []),
+    ("trend_window", 6, [{"reward/mean": r} for r in (0.2, 0.2, 0.4, 0.4)], ["hacking/reward_without_success"], []),
+    ("reward_rise", 0.3, [{"reward/mean": r} for r in (0.2, 0.2, 0.4, 0.4)], ["hacking/reward_without_success"], []),
+])
+def test_every_threshold_key_flipped_changes_what_fires(key, value, rows, before, after):
+    base = {"trend_window": 4}
+    assert [c for _, c in run_rows(Monitors(cfg(**base)), rows)] == before
+    assert [c for _, c in run_rows(Monitors(cfg(**{**base, key: value})), rows)] == after
+
+
+def test_min_distinct_strategies_and_max_hacking_rate_flipped():
+    one = [Group("a", [traj(["query_inventory"], {"repeated_tool_calls": 1}), traj(["query_inventory"])])]
+    assert sorted(f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, one)) == [
+        "exploration/strategies", "hacking/flags"]  # 1 strategy < 1.25; 1 of 2 flagged > 0.1
+    assert Monitors(cfg(patience=1, min_distinct_strategies=1.0, max_hacking_rate=0.5)).observe(1, HEALTHY, one) == []
+
+
+def test_the_message_names_the_measurement_the_diagnosis_and_the_remedy_keys():
+    m = Monitors(cfg(patience=1))
+    (f,) = m.observe(7, {**HEALTHY, "optim/raw_reward_std_within_group": 0.01})
+    assert "step 7" in f.message and "0.01" in f.message and "signal loss" in f.message
+    assert "degenerate_group_filter.min_reward_std" in f.message and "resample_attempts" in f.message
+    assert "base_rollouts_per_prompt" in f.message
+
+
+def _write_config(tmp_path, tiny_model, extra: str = ""):
+    path = tmp_path / "run.yaml"
+    path.write_text(SMALL_RUN + f"model: {{path: {tiny_model}}}\n" + extra)
+    return path
+
+
+@pytest.mark.slow
+def test_a_run_records_monitors_logs_syncs_and_stops_on_fail(tmp_path, tiny_model):
+    runner = CliRunner()
+    path = _write_config(tmp_path, tiny_model)
+    # an entropy ratio no entropy can reach (2 × the first step's): the exploration check fails from step 1
+    warn = runner.invoke(app, ["train", str(path), "--run-dir", str(tmp_path / "warn"), "--set", "monitors.patience=1",
+                               "--set", "monitors.min_entropy_ratio=2"])
+    assert warn.exit_code == 0, warn.output
+    rows = [r for r in read_rows(tmp_path / "warn") if r["step"] >= 1]
+    assert [r["monitor/exploration/entropy"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["monitor/failing"] >= 1 for r in rows) and all("monitor/distinct_strategies" in r for r in rows)
+    log = (tmp_path / "warn" / "train.log").read_text()
+    assert log.count("monitor exploration/entropy failing") == 1  # warned once
+    assert [ln.split("param_version=")[1].split()[0] for ln in log.splitlines() if "parameter sync" in ln] == [
+        "1", "2", "3"]
+    # on_fail: stop — stops after step 1 with its checkpoint, exit code 3, and says how to go on
+    stop = runner.invoke(app, ["train", str(path), "--run-dir", str(tmp_path / "stop"), "--set", "monitors.patience=1",
+                               "--set", "monitors.min_entropy_ratio=2", "--set", "monitors.on_fail=stop"])
+    assert stop.exit_code == 3, stop.output
+    said = " ".join(stop.output.split())  # the random tiny model never succeeds: the signal checks fail too
+    assert "stopped by the monitors after step 1 (exploration/entropy, " in said and "signal/reward_std" in said
+    assert (tmp_path / "stop" / "checkpoints" / "step_1").is_dir()
+    assert [r["step"] for r in read_rows(tmp_path / "stop")] == [0, 1]
+    # the monitors' keys may change on resume without --allow-config-change; the run finishes
+    resumed = runner.invoke(app, ["train", str(path), "--run-dir", str(tmp_path / "stop"), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["step"] for r in read_rows(tmp_path / "stop")] == [0, 1, 2, 3]

@@ -1,0 +1,53 @@
+"""``monitors``: the checks that watch a run while it trains (``tether.pipeline.monitors``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tether.config.base import NonNegFloat, PosFloat, PosInt, Section
+
+__all__ = ["MonitorsConfig"]
+
+
+class MonitorsConfig(Section):
+    """The failure patterns of the first source document's section 5 (exploration collapse, signal loss,
+    distribution shift, reward hacking), checked on every step's metrics while the run trains. A check that
+    holds for ``patience`` steps in a row warns once, with the diagnosis and the keys that remedy it."""
+
+    enabled: bool = True
+    """Run the monitors (``monitor/*`` metrics, one warning per failing check). false: no monitor metrics and no
+    warnings."""
+    on_fail: Literal["warn", "stop"] = "warn"
+    """What a failing check does: warn (print and log the diagnosis once, keep training) or stop (also save a
+    checkpoint of the step and stop the run, exit code 3; fix the config and ``--resume``)."""
+    patience: PosInt = 3
+    """Consecutive steps a check must fail before it counts as failing (the staleness bound fails at once:
+    exceeding it is a bug, not noise)."""
+    min_entropy_ratio: PosFloat = 0.2
+    """Exploration: the policy's mean token entropy (``optim/entropy``) below this fraction of its value at the
+    run's first step (after a resume: the first step of the resumed run) means it has collapsed onto a few tokens.
+    Relative, because the level depends on the model and on how much of each response is fixed format."""
+    min_distinct_strategies: PosFloat = 1.25
+    """Exploration: the mean number of distinct strategies per group (``monitor/distinct_strategies``: distinct
+    tool-call paths and final facts, ``tether.algo.diversity``, over every group delivered for the step) below
+    this means the rollouts of most tasks repeat one path."""
+    min_reward_std: NonNegFloat = 0.05
+    """Learning signal: the mean within-group reward std before the degenerate-group filter
+    (``optim/raw_reward_std_within_group``) below this means most groups give no gradient (the document's
+    "advantage_std below 0.05 for long")."""
+    max_degenerate_ratio: PosFloat = 0.9
+    """Learning signal: the fraction of groups generated degenerate (equal rewards) before the filter
+    (``optim/degenerate_group_ratio_before_filter``) above this means the step's signal rests on very few
+    groups."""
+    max_is_masked_fraction: PosFloat = 0.2
+    """Shift: the fraction of tokens whose importance ratio falls outside the correction band
+    (``optim/is_masked_fraction``) above this means the behaviour policy and the trained one have drifted apart."""
+    max_hacking_rate: PosFloat = 0.1
+    """Hacking: the fraction of trained trajectories with an anti-hacking flag (``monitor/hacking_flag_rate``)
+    above this means the policy is learning a pattern the verifier flags."""
+    trend_window: PosInt = 8
+    """Hacking: steps over which "reward up while success flat" is judged (the mean of the window's second half
+    against its first half)."""
+    reward_rise: PosFloat = 0.1
+    """Hacking: a rise of ``reward/mean`` of at least this over ``trend_window`` steps while
+    ``rollout/success_rate`` rises by less than a quarter of it counts as reward up while success is flat."""

@@ -1,0 +1,231 @@
+"""Monitors: is the run learning, checked on every step while it trains (issue 14, item 5).
+
+One check per failure pattern of the first source document's section 5, each on numbers the step already
+measures:
+
+- **exploration**: ``optim/entropy`` below ``min_entropy_ratio`` × its first value, or fewer than
+  ``min_distinct_strategies`` strategies per group. Remedy: exploration.entropy_coef, clip_higher, diversity_bonus,
+  engine.temperature.
+- **signal**: ``optim/raw_reward_std_within_group`` below ``min_reward_std``, or
+  ``optim/degenerate_group_ratio_before_filter`` above ``max_degenerate_ratio``. Remedy: degenerate_group_filter
+  .min_reward_std and .resample_attempts; base_rollouts_per_prompt 8 → 4 with max_rollouts_per_prompt 48.
+- **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, or ``optim/is_masked_fraction``
+  above ``max_is_masked_fraction``. Remedy: clip_ratio 0.2 → 0.1, token_level_clipping, tis_enabled, target_kl;
+  update_frequency, batch_size.
+- **hacking**: flagged trajectories above ``max_hacking_rate``, or reward up while success is flat over
+  ``trend_window`` steps. Remedy: anti_hacking.detect_patterns, a model rubric (verifier.model_based).
+
+Each fails when its condition holds for ``monitors.patience`` steps in a row (the thresholds are ``monitors.*``).
+Each check records ``monitor/<check>`` (1 while failing, else 0) every step, plus the two numbers the monitors
+compute themselves (``monitor/distinct_strategies``, ``monitor/hacking_flag_rate``) and ``monitor/failing`` (how
+many checks fail). A failing check warns once per run with its diagnosis and remedy; with ``monitors.on_fail:
+stop`` the trainer then saves a checkpoint of the step and stops (``MonitorStop``, exit code 3).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tether.algo.diversity import strategy_signature
+from tether.config import RunConfig
+from tether.metrics import record_metric
+from tether.types import Group
+
+Row = dict[str, float]
+
+
+class MonitorStop(Exception):
+    """A monitor failed with ``monitors.on_fail: stop``; the step's checkpoint is saved."""
+
+    exit_code = 3
+
+    def __init__(self, findings: list[Finding], step: int, checkpoint: str):
+        names = ", ".join(f.check for f in findings)
+        super().__init__(f"stopped by the monitors after step {step} ({names}); checkpoint: {checkpoint}")
+        self.findings, self.step, self.checkpoint = findings, step, checkpoint
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # e.g. "signal/reward_std"
+    step: int
+    value: float
+    message: str  # the measurement, the diagnosis and the remedy, one paragraph
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class Check:
+    """``fails(row, history)`` → the offending value, or None when the check holds (or cannot be measured)."""
+
+    name: str
+    what: str  # the measurement, with {value:.3g} and the threshold
+    diagnosis: str
+    remedy: str
+    fails: Callable[[Row, deque[Row]], float | None]
+    patience: int
+    streak: int = 0
+    warned: bool = False
+
+
+def _below(metric: str, bound: float) -> Callable[[Row, deque[Row]], float | None]:
+    return lambda row, _: row[metric] if metric in row and row[metric] < bound else None
+
+
+def _above(metric: str, bound: float) -> Callable[[Row, deque[Row]], float | None]:
+    return lambda row, _: row[metric] if metric in row and row[metric] > bound else None
+
+
+def _entropy_collapse(ratio: float) -> Callable[[Row, deque[Row]], float | None]:
+    """``optim/entropy`` below ``ratio`` × the first value seen (kept in the closure: the history is a window)."""
+    first: list[float] = []
+
+    def fails(row: Row, _: deque[Row]) -> float | None:
+        value = row.get("optim/entropy")
+        if value is None or value != value:  # absent or NaN
+            return None
+        if not first:
+            first.append(value)
+        return value if value < ratio * first[0] else None
+    return fails
+
+
+def _reward_without_success(window: int, rise: float) -> Callable[[Row, deque[Row]], float | None]:
+    """The rise of reward/mean over the last ``window`` rows (second half's mean − first half's) when it is at
+    least ``rise`` and success rose by less than a quarter of it."""
+    def fails(_: Row, history: deque[Row]) -> float | None:
+        rows = [r for r in list(history)[-window:] if "reward/mean" in r and "rollout/success_rate" in r]
+        if len(rows) < window:
+            return None
+        half = window // 2
+
+        def delta(key: str) -> float:
+            first, second = rows[:half], rows[-half:]
+            return sum(r[key] for r in second) / half - sum(r[key] for r in first) / half
+        d_reward, d_success = delta("reward/mean"), delta("rollout/success_rate")
+        return d_reward if d_reward >= rise and d_success < d_reward / 4 else None
+    return fails
+
+
+def checks(cfg: RunConfig) -> list[Check]:
+    """The checks with ``cfg``'s thresholds."""
+    m = cfg.monitors
+    po = cfg.policy_optimization
+    adv = po.advantage.degenerate_group_filter
+    p = m.patience
+    raise_signal = (f"raise policy_optimization.advantage.degenerate_group_filter.min_reward_std (now {adv.min_reward_std:g}) "
+                    f"and .resample_attempts (now {adv.resample_attempts}); check that rollout_allocation does not spend "
+                    "the budget on easy tasks: lower rollout_allocation.base_rollouts_per_prompt (8 → 4) and give "
+                    "max_rollouts_per_prompt the savings (e.g. 48) so hard tasks get more samples")
+    shift = ("tighten learner.off_policy_correction.clip_ratio (0.2 → 0.1), check token_level_clipping is on and "
+             "tis_enabled: true; loosen kl_control.target_kl (0.01 → 0.02) only if KL settles")
+    hacking = ("turn on each pattern of environment.verifier.anti_hacking.detect_patterns and see which fires; "
+               "add a model rubric (environment.verifier.model_based) that scores how the task was done, not "
+               "only the outcome")
+    explore = ("raise policy_optimization.exploration.entropy_coef or clip_higher (e.g. 0.28), enable "
+               "exploration.diversity_bonus, or raise engine.temperature")
+    return [
+        Check("exploration/entropy", "policy entropy {value:.3g} nats < monitors.min_entropy_ratio "
+              f"{m.min_entropy_ratio:g} × its value at the first step",
+              "exploration collapse: the policy puts almost all mass on one token at each position, so the "
+              "rollouts of a group stop differing and the group-relative signal goes with them", explore,
+              _entropy_collapse(m.min_entropy_ratio), p),
+        Check("exploration/strategies", "{value:.3g} distinct strategies per group < monitors.min_distinct_strategies "
+              f"{m.min_distinct_strategies:g}",
+              "exploration collapse: the rollouts of a task repeat one tool-call path", explore,
+              _below("monitor/distinct_strategies", m.min_distinct_strategies), p),
+        Check("signal/reward_std", "within-group reward std {value:.3g} (before the filter) < monitors.min_reward_std "
+              f"{m.min_reward_std:g}",
+              "signal loss: the rewards of a group barely differ, advantages are ≈ 0 and the gradient is noise — "
+              "most tasks are saturated (always solved) or hopeless (never solved)", raise_signal,
+              _below("optim/raw_reward_std_within_group", m.min_reward_std), p),
+        Check("signal/degenerate_groups", "{value:.0%} of groups degenerate before the filter > "
+              f"monitors.max_degenerate_ratio {m.max_degenerate_ratio:g}",
+              "signal loss: nearly every group has equal rewards, the step learns from the few others",
+              raise_signal, _above("optim/degenerate_group_ratio_before_filter", m.max_degenerate_ratio), p),
+        Check("shift/staleness", "policy version lag {value:.0f} > rollout.scheduler.max_staleness "
+              f"{cfg.rollout.scheduler.max_staleness}",
+              "distribution shift: samples older than the staleness bound reached the learner; the rollouters and "
+              "the learner run at mismatched speeds",
+              "when tasks hit rollout.worker.task_timeout_s, tune rollout.partial_rollout.segment_length so long "
+              "tasks are split; when the learner consumes too fast, lower learner.update_frequency or raise "
+              "learner.batch_size",
+              _above("rollout/policy_version_lag_max", cfg.rollout.scheduler.max_staleness), 1),
+        Check("shift/kl", "KL {value:.3g} > policy_optimization.kl_control.max_kl " f"{po.kl_control.max_kl:g}",
+              "distribution shift: each update moves the policy too far (long trajectories and stale samples mixed)",
+              shift, _above("optim/kl_divergence", po.kl_control.max_kl), p),  # NaN (updates skipped) compares False
+        Check("shift/importance_ratio", "{value:.0%} of tokens outside the correction band > "
+              f"monitors.max_is_masked_fraction {m.max_is_masked_fraction:g}",
+              "distribution shift: the policy that sampled the tokens and the one being trained disagree on many "
+              "of them; the off-policy correction discards their gradient", shift,
+              _above("optim/is_masked_fraction", m.max_is_masked_fraction), p),
+        Check("hacking/flags", "{value:.0%} of trained trajectories flagged by the anti-hacking detectors > "
+              f"monitors.max_hacking_rate {m.max_hacking_rate:g}",
+              "reward hacking: the policy is learning a pattern the verifier flags (repeated calls, stuffing)",
+              hacking, _above("monitor/hacking_flag_rate", m.max_hacking_rate), p),
+        Check("hacking/reward_without_success", "reward/mean up {value:.3g} over " f"{m.trend_window} steps while "
+              "rollout/success_rate stayed flat",
+              "reward hacking: the reward rises without the task being solved more often — the policy found "
+              "reward the verifier gives for something other than success", hacking,
+              _reward_without_success(m.trend_window, m.reward_rise), 1),
+    ]
+
+
+@dataclass
+class Monitors:
+    """``observe(step, row, groups)`` after each step's metrics are recorded, before its row is written."""
+
+    cfg: RunConfig
+    checks: list[Check] = field(default_factory=list)
+    history: deque[Row] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.checks = checks(self.cfg)
+        self.history = deque(maxlen=self.cfg.monitors.trend_window)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.monitors.enabled
+
+    def observe(self, step: int, row: Row, groups: Iterable[Group] = ()) -> list[Finding]:
+        """Record the step's ``monitor/*`` metrics; returns the checks that start failing at this step (each
+        check once per run). ``groups``: every group delivered for the step, those the degenerate-group filter
+        dropped included (their strategies and flags count)."""
+        if not self.enabled:
+            return []
+        row = dict(row)
+        delivered = [g for g in groups if g.trajectories]
+        if delivered:
+            row["monitor/distinct_strategies"] = sum(
+                len({strategy_signature(t.messages) for t in g.trajectories}) for g in delivered) / len(delivered)
+            trajs = [t for g in delivered for t in g.trajectories]
+            row["monitor/hacking_flag_rate"] = sum(any(t.hacking_flags.values()) for t in trajs) / len(trajs)
+            for k in ("monitor/distinct_strategies", "monitor/hacking_flag_rate"):
+                record_metric(k, row[k], "last")
+        self.history.append(row)
+        new, failing = [], 0
+        for c in self.checks:
+            value = c.fails(row, self.history)
+            c.streak = c.streak + 1 if value is not None else 0
+            on = c.streak >= c.patience
+            failing += on
+            record_metric(f"monitor/{c.name}", float(on), "last")
+            if on and not c.warned:
+                c.warned = True
+                assert value is not None
+                new.append(Finding(c.name, step, value, self._message(c, step, value)))
+        record_metric("monitor/failing", failing, "last")
+        return new
+
+    def _message(self, c: Check, step: int, value: float) -> str:
+        since = f"for {c.streak} steps" if c.patience > 1 else "at"
+        return (f"monitor {c.name} failing {since} step {step}: {c.what.format(value=value)}. "
+                f"Diagnosis: {c.diagnosis}. Remedy: {c.remedy}.")
+
+    @property
+    def stop(self) -> bool:
+        return self.enabled and self.cfg.monitors.on_fail == "stop"
