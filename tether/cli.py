@@ -309,10 +309,17 @@ def serve(
     set_: Overrides = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id clients send (default: the checkpoint folder's name).")] = None,
+    chat_template: Annotated[Path | None, typer.Option(
+        "--chat-template", metavar="FILE", help="A Jinja chat template file that renders chat requests instead of "
+                                                "the checkpoint's own (vLLM's option). A policy reads prompts as it "
+                                                "was trained on them: check with `tether verify consistency`.")] = None,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (chat and text completions, token ids in and out,
     weight updates) on the local engine; prints the address, runs until Ctrl-C. Exit 2 on bad input."""
     import os
+
+    from tether.serve.server import read_chat_template
+
 
     api_key = None
     if api_key_env is not None:
@@ -325,11 +332,15 @@ def serve(
     if not (checkpoint / "config.json").is_file():
         raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass a Hugging Face model folder")
     check_weights(checkpoint)
+    try:
+        template = None if chat_template is None else read_chat_template(chat_template)
+    except ValueError as e:
+        raise fail(str(e)) from None
     from tether.serve import serve as run_server
 
     try:
         run_server(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
-                   api_key_env=api_key_env)
+                   api_key_env=api_key_env, chat_template=template)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

@@ -35,14 +35,36 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None) -> tuple[FastAPI, Any]:
+def read_chat_template(path: str | Path) -> str:
+    """The text of a chat template file (``--chat-template``); ValueError naming the file when it cannot be read,
+    is empty or is not valid Jinja (checked at start, not at the first request)."""
+    import jinja2
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it ({e})") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
+
+
+def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
+          chat_template: str | None = None) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
-    settings) and the engine, which the caller closes."""
+    settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
+    checkpoint's own for rendering chat requests (``tether serve --chat-template``)."""
     from tether.learner.model import load_model_and_tokenizer
     from tether.runtime import local_engine
     from tether.serve.app import make_app
 
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if cfg.engine.type != "local":  # the server *is* the local engine, whatever the training config rolls out with
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"type": "local"})})
     engine = local_engine(cfg, model)
@@ -54,7 +76,7 @@ def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: s
 
 def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
-          log: Callable[[str], None] | None = None) -> None:
+          chat_template: str | None = None, log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
     fails at once, OSError); ``api_key_env`` only names the key's variable in the start message."""
     import uvicorn
@@ -62,7 +84,7 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     sock = bind(host, port)
     name = model_name or Path(checkpoint).name
-    app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key)
+    app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key, chat_template=chat_template)
     try:
         actual = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from tether.verify.criteria import Report
 
 verify_app = typer.Typer(
-    help="Check that a run is actually learning: environment, async pipeline, optimisation.",
+    help="Check that a run is actually learning: environment, async pipeline, optimisation, train/deploy "
+         "consistency.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -134,3 +135,55 @@ def _verify(paths: list[Path], set_: list[str] | None, steps: int | None,
         raise fail(str(e)) from None
     render(report)
     raise typer.Exit(report.exit_code)
+
+
+@verify_app.command("consistency")
+def consistency(
+    checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder, e.g. RUN/checkpoints/step_N.")],
+    config_files: Annotated[list[Path] | None, typer.Option(
+        "--config", help="Config file(s) of the run: environment, agent_loop, engine, tool_parser.")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override one key, e.g. --set engine.max_tokens=96 (value parsed as YAML).")] = None,
+    tasks: Annotated[int, typer.Option("--tasks", min=1, help="Play the first N tasks of the split.")] = 8,
+    split: Annotated[str, typer.Option("--split", help="heldout (the evaluation tasks) or train.")] = "heldout",
+    chat_template: Annotated[Path | None, typer.Option(
+        "--chat-template", metavar="FILE",
+        help="Serve with this chat template instead of the checkpoint's (tether serve --chat-template).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", min=0.0, max=2.0, help="The deployment requests' temperature (default 0: greedy, as the "
+                                                "training path).")] = None,
+    top_p: Annotated[float | None, typer.Option(
+        "--top-p", max=1.0, help="The deployment requests' top_p, in (0, 1] (default 1).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", min=1, help="The deployment requests' max_tokens (default engine.max_tokens).")] = None,
+) -> None:
+    """Play the same tasks through the training path (agent loop, token-in/token-out, local engine) and the
+    deployment path (tether serve on this checkpoint, in-process on a free port, driven by an OpenAI chat client:
+    text and tool schemas in, tool calls parsed by the server out), greedily on both, and compare the actions turn
+    by turn. Match rate = Σ over tasks of the turns before the first differing one / Σ of the longer sequence's
+    length; it must be above 0.9. Prints per-task results, and where the actions first differ with the cause:
+    tokenizer, chat template, tool schema rendering or sampling settings (from the two prompts and settings of that
+    turn). Exit 0 above 0.9, 1 at or below, 2 bad input."""
+    from tether.cli import check_weights, fail, load_or_exit
+    from tether.config import ConfigError
+    from tether.serve.server import read_chat_template
+    from tether.verify.consistency import SPLITS, check_consistency, exit_code, render
+
+    if split not in SPLITS:
+        raise fail(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    if top_p is not None and top_p <= 0:
+        raise fail(f"--top-p {top_p}: must be above 0 (1 keeps the whole distribution)")
+    cfg = load_or_exit(config_files or [], set_)
+    if not (checkpoint / "config.json").is_file():
+        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass RUN/checkpoints/step_N")
+    check_weights(checkpoint)
+    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("max_tokens", max_tokens))
+                 if v is not None}
+    try:
+        template = None if chat_template is None else read_chat_template(chat_template)
+        report = check_consistency(checkpoint, cfg, num_tasks=tasks, split=split, chat_template=template,
+                                   deploy_sampling=overrides)
+    except (ConfigError, OSError, ValueError) as e:
+        raise fail(str(e)) from None
+    render(report, typer.echo)
+    raise typer.Exit(exit_code(report))
