@@ -195,7 +195,7 @@ def test_two_ranks_train_the_steps_of_one(model, sharded, case):
 # ----------------------------------------------------------------------------- in a run
 
 
-def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, tmp_path):
+def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, tmp_path, monkeypatch):
     """``actor_worker.strategy: fsdp2`` in a real run: the trainer's model is sharded (a group of one rank in this
     process), and the run trains the weights a plain run trains (to the tolerance above); its checkpoint holds
     whole weights that ``from_pretrained`` loads, and a run resumed from step 1 ends where the unbroken one did."""
@@ -206,8 +206,17 @@ def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, t
 
     from conftest import SMALL_RUN
     from tether.config import load_config
-    from tether.pipeline.build import Run
+    from tether.pipeline import build
     from tether.pipeline.trainer import train
+
+    learners: list[Learner] = []  # the learner each run built
+
+    def spy(model, cfg):
+        learners.append(build_learner(model, cfg))
+        return learners[-1]
+
+    build_learner = build.run_learner
+    monkeypatch.setattr(build, "run_learner", spy)
 
     (tmp_path / "run.yaml").write_text(SMALL_RUN)
 
@@ -225,8 +234,7 @@ def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, t
         shutil.copytree(tmp_path / "fsdp2", tmp_path / "resumed")
         shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_2")
         train(cfg("fsdp2"), tmp_path / "resumed", resume=True, show_progress=False)
-        with Run.build(cfg("fsdp2"), tmp_path / "probe", show_progress=False) as run:
-            assert isinstance(run.learner.model, FSDPModule)
+        assert [isinstance(learner.model, FSDPModule) for learner in learners] == [False, True, True]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
