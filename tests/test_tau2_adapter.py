@@ -1,0 +1,320 @@
+"""The tau2-bench adapter (tether.env.tau2) against tau2's own evaluator.
+
+Every trajectory is played twice: through the adapter (tether actions ``{"name", "params"}`` into ``Tau2Env``)
+and directly with tau2's API (its domain environment's ``get_response`` building the messages tau2's orchestrator
+records, then ``evaluate_simulation``). The adapter's reward must be tau2's, exactly, and its messages the same.
+
+By default: all of mock, and a sample of retail and airline (writing and non-writing tasks). ``TETHER_TAU2_FULL=1``
+plays every task of the three domains (173; minutes on a busy 2-core machine: see the report).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import time
+
+import pytest
+
+from tether.env.tau2 import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="tau2 is not installed: pip install 'tether[tau2]'")
+
+OPENING = "Hello, I need help."
+CLOSING = "Is there anything else I can help you with?"
+FULL = os.environ.get("TETHER_TAU2_FULL") == "1"
+SAMPLE = {"mock": None, "retail": ["0", "57"], "airline": ["1", "2"]}  # each: a writing and a non-writing task
+
+
+def _tasks(domain):
+    from tether.env.tau2._load import tasks_by_id
+
+    by_id = tasks_by_id(domain)
+    ids = list(by_id) if FULL or SAMPLE[domain] is None else SAMPLE[domain]
+    return [by_id[i] for i in ids]
+
+
+@functools.cache
+def _write_tools(domain):
+    from tau2.environment.toolkit import ToolType
+
+    from tether.env.tau2._load import make_environment
+
+    tools = make_environment(domain, solo=False).tools
+    return frozenset(n for n in tools.get_tools() if tools.tool_type(n) == ToolType.WRITE)
+
+
+def _is_write(domain, name):
+    return name in _write_tools(domain)
+
+
+def _script(domain, task, variant):
+    """Steps ("call", name, args) / ("say", text) of a variant, or None where it does not apply."""
+    crit = task.evaluation_criteria
+    actions = [(a.name, copy.deepcopy(a.arguments)) for a in (crit.actions or [])]
+    say = " ".join(crit.communicate_info or []) or CLOSING
+    writes = [i for i, (name, _) in enumerate(actions) if _is_write(domain, name)]
+    if variant == "noop":
+        actions = []
+    elif variant == "omit_first_write":
+        if not writes:
+            return None
+        del actions[writes[0]]
+    elif variant == "changed_arg":
+        if not writes or not actions[writes[0]][1]:
+            return None
+        args = actions[writes[0]][1]
+        key = sorted(args)[-1]
+        v = args[key]
+        args[key] = (not v if isinstance(v, bool) else v + 1 if isinstance(v, (int, float))
+                     else v[:-1] if isinstance(v, list) and v else str(v) + "0")
+    return [("call", n, a) for n, a in actions] + [("say", say)]
+
+
+def _reference(domain, task, steps, solo):
+    """tau2 only: the messages its orchestrator records for these steps, and evaluate_simulation's reward."""
+    from tau2.data_model.message import AssistantMessage, ToolCall, UserMessage
+    from tau2.data_model.simulation import SimulationRun, TerminationReason
+    from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+    from tau2.registry import registry
+
+    env = registry.get_env_constructor(domain)(solo_mode=solo)
+    init = task.initial_state
+    history = list(init.message_history or []) if init else []
+    env.set_state(init.initialization_data if init else None, init.initialization_actions if init else None,
+                  history)
+    msgs = copy.deepcopy(history)
+    if not solo:
+        if not msgs or not isinstance(msgs[-1], AssistantMessage):
+            msgs.append(AssistantMessage(role="assistant", content="Hi! How can I help you today?"))
+        msgs.append(UserMessage(role="user", content=OPENING))
+    k = 0
+    for kind, *rest in steps:
+        if kind == "call":
+            k += 1
+            call = ToolCall(id=f"call_{k}", name=rest[0], arguments=rest[1], requestor="assistant")
+            msgs += [AssistantMessage(role="assistant", tool_calls=[call]), env.get_response(call)]
+        elif not solo:
+            msgs += [AssistantMessage(role="assistant", content=rest[0]),
+                     UserMessage(role="user", content="###STOP###")]
+    if solo:
+        msgs.append(AssistantMessage(role="assistant", content="###STOP###"))
+    reason = TerminationReason.AGENT_STOP if solo else TerminationReason.USER_STOP
+    run = SimulationRun(id="ref", task_id=task.id, start_time="", end_time="", duration=0.0,
+                        termination_reason=reason, messages=msgs)
+    try:
+        return evaluate_simulation(run, task, EvaluationType.ALL, solo_mode=solo, domain=domain).reward, msgs
+    except ValueError as e:  # tau2 raises on an env assertion about a missing record: the adapter scores 0
+        return ("raised", str(e)), msgs
+
+
+def _adapter(domain, task, steps, solo, **kw):
+    from tether.env.tau2.env import Tau2Env
+    from tether.env.tau2.user import ScriptedUser
+
+    env = Tau2Env(domain, solo=solo, user_factory=None if solo else (lambda t: ScriptedUser([OPENING])), **kw)
+    env.reset(task.id)
+    out = None
+    for kind, *rest in steps:
+        if kind == "call":
+            out = env.step({"name": rest[0], "params": rest[1]})
+        elif not solo:
+            out = env.step({"name": "respond_to_user", "params": {"message": rest[0]}})
+        assert out[2] == (kind == "say" and not solo), (kind, rest, out)
+    if solo:
+        out = env.step({"name": "done", "params": {}})
+    _, reward, done, info = out
+    assert done
+    return reward, info, env.tau2_messages
+
+
+def _comparable(messages):
+    drop = {"timestamp", "turn_idx", "cost", "usage", "raw_data"}
+    return [m.model_dump(exclude=drop) for m in messages]
+
+
+def _gold_writes(domain, task):
+    """Whether replaying the task's gold actions changes its databases (tau2's hashes)."""
+    from tether.env.tau2 import scoring
+    from tether.env.tau2.env import _fresh
+
+    env, _ = _fresh(domain, task, False)
+    before = scoring.db_digest(env)
+    for a in task.evaluation_criteria.actions or []:
+        try:
+            env.make_tool_call(a.name, requestor=a.requestor, **a.arguments)
+        except Exception:
+            pass
+    return scoring.db_digest(env) != before
+
+
+@pytest.mark.parametrize("domain", ["mock", "retail", "airline"])
+def test_replays_score_exactly_what_tau2_scores(domain):
+    t0 = time.perf_counter()
+    tally = {"gold_pass": 0, "noop_flagged": 0, "tasks": 0, "variants": 0}
+    for task in _tasks(domain):
+        tally["tasks"] += 1
+        writes = _gold_writes(domain, task)
+        for variant in ("gold", "omit_first_write", "changed_arg", "noop"):
+            steps = _script(domain, task, variant)
+            if steps is None:
+                continue
+            tally["variants"] += 1
+            want, ref_msgs = _reference(domain, task, steps, solo=False)
+            got, info, msgs = _adapter(domain, task, steps, solo=False)
+            where = f"{domain} task {task.id} {variant}"
+            if isinstance(want, tuple):  # tau2's evaluator raised: 0, with tau2's message in the note
+                assert got == 0.0 and want[1] in info["note"], (where, info)
+                tally["raised"] = tally.get("raised", 0) + 1
+                continue
+            assert got == want, f"{where}: adapter {got}, tau2 {want} ({info})"
+            assert info["tau2_reward"] == want and info["success"] == (want == 1.0), where
+            assert _comparable(msgs) == _comparable(ref_msgs), where
+            assert set(info["reward_components"]) <= {"db", "env_assertion", "action", "communicate"}, where
+            assert info["reward_basis"] == [b.value for b in task.evaluation_criteria.reward_basis], where
+            # no_op_pass: flagged exactly when tau2 passed the episode and the databases did not change
+            flagged = info["hacking_flags"].get("no_op_pass", 0) == 1
+            if variant == "noop":
+                assert flagged == (want == 1.0), where
+                tally["noop_flagged"] += flagged
+                if flagged:  # the hole applies only where the gold actions write nothing
+                    assert not writes, where
+            if variant == "gold":
+                tally["gold_pass"] += want == 1.0
+                assert flagged == (want == 1.0 and not writes), where
+    print(f"\n{domain}: {tally} in {time.perf_counter() - t0:.1f} s")
+    assert tally["gold_pass"] >= 1
+    if domain != "mock" and not FULL:
+        assert tally["noop_flagged"] >= 1 and tally["noop_flagged"] < tally["tasks"], tally  # the sample has both
+
+
+def test_solo_replays_score_what_tau2_scores():
+    """Solo mode on mock: tool calls only, ended by the done tool (tau2's AGENT_STOP)."""
+    from tether.env.tau2.env import solo_compatible
+
+    seen = 0
+    for task in _tasks("mock"):
+        if not solo_compatible(task):
+            continue
+        for variant in ("gold", "noop"):
+            steps = [s for s in _script("mock", task, variant) if s[0] == "call"]
+            want, ref_msgs = _reference("mock", task, steps, solo=True)
+            got, info, msgs = _adapter("mock", task, steps, solo=True)
+            if isinstance(want, tuple):  # tau2's evaluator raised (an env assertion about a missing record)
+                want = 0.0
+            assert got == want and info["termination"] == "agent_stop", (task.id, variant, got, want)
+            assert _comparable(msgs) == _comparable(ref_msgs)
+            seen += 1
+    assert seen == 14  # 7 of mock's 9 tasks have no user turn in their history
+
+
+def test_episodes_are_isolated_and_interleave():
+    """Two episodes of one task at once: a write in one is not seen by the other."""
+    from tether.env.tau2.env import Tau2Env
+
+    a, b = Tau2Env("mock"), Tau2Env("mock")
+    a.reset("create_task_1")
+    b.reset("create_task_1")
+    a.step({"name": "create_task", "params": {"user_id": "user_1", "title": "A"}})
+    obs, *_ = b.step({"name": "get_users", "params": {}})
+    assert "task_2" not in obs["last_tool_result"]  # b's database has only task_1
+    _, reward_b, _, info_b = b.step({"name": "done", "params": {}})
+    _, reward_a, _, info_a = a.step({"name": "done", "params": {}})
+    assert (reward_a, reward_b) == (0.0, 0.0)  # a created "A", not "Important Meeting"; b created nothing
+    assert info_b["reward_components"]["db"] == 0.0
+
+
+def test_tool_schemas_are_tau2s_own():
+    from tether.env.tau2._load import make_environment
+    from tether.env.tau2.env import Tau2Env
+
+    want = [t.openai_schema for t in make_environment("retail", solo=False).get_tools()]
+    schemas = Tau2Env("retail").tool_schemas()
+    assert schemas[:-1] == want and schemas[-1]["function"]["name"] == "done"
+    assert len(want) == 15
+
+
+def test_premature_endings_score_zero_with_the_reason():
+    """The agent loop's limits and tau2's own (max_steps, max_errors) end an episode that tau2 scores 0."""
+    from tether.env.tau2.env import Tau2Env
+
+    env = Tau2Env("mock", max_steps=2)
+    env.reset("create_task_1")
+    env.step({"name": "create_task", "params": {"user_id": "user_1", "title": "Important Meeting"}})
+    _, reward, done, info = env.step({"name": "get_users", "params": {}})
+    assert done and reward == 0.0 and info["termination"] == "max_steps" and info["truncated"]
+    longer = Tau2Env("mock", max_steps=3)  # the same steps under a higher cap: not ended, then passes
+    longer.reset("create_task_1")
+    longer.step({"name": "create_task", "params": {"user_id": "user_1", "title": "Important Meeting"}})
+    assert not longer.step({"name": "get_users", "params": {}})[2]
+    assert longer.step({"name": "done", "params": {}})[1] == 1.0
+
+    errs = Tau2Env("mock", max_errors=2)
+    errs.reset("create_task_1")
+    assert not errs.step({"name": "update_task_status", "params": {"task_id": "nope", "status": "x"}})[2]
+    _, reward, done, info = errs.step({"name": "update_task_status", "params": {"task_id": "no", "status": "x"}})
+    assert done and reward == 0.0 and info["termination"] == "too_many_errors" and info["tool_errors"] == 2
+
+    cut = Tau2Env("mock")
+    cut.reset("create_task_1")
+    cut.step({"name": "create_task", "params": {"user_id": "user_1", "title": "Important Meeting"}})
+    reward, info = cut.finalize("max_assistant_turns")
+    assert reward == 0.0 and info["tau2_termination"] == "max_steps" and info["truncated"]
+
+
+def test_nl_assertions_skipped_without_a_judge_and_judged_with_one():
+    """A task whose basis holds NL_ASSERTION: no judge -> skipped, never a success; a judge -> tau2's NL
+    evaluator, its prompt answered by the judge."""
+    import json
+
+    from tau2.data_model.message import AssistantMessage, UserMessage
+    from tau2.data_model.tasks import RewardType
+
+    from tether.env.tau2 import scoring
+    from tether.env.tau2._load import tasks_by_id
+
+    task = tasks_by_id("mock")["create_task_1_nl_eval"].model_copy(deep=True)
+    task.evaluation_criteria.reward_basis = [RewardType.NL_ASSERTION]
+    msgs = [AssistantMessage(role="assistant", content="Hi!"), UserMessage(role="user", content="###STOP###")]
+    skipped = scoring.score("mock", task, msgs, "user_stop", solo=False)
+    assert skipped.skipped == ["nl"] and "nl" not in skipped.components and not skipped.passed
+
+    seen = []
+
+    def judge(met):
+        def answer(messages):
+            seen.append(messages)
+            return json.dumps({"results": [{"expectedOutcome": a, "reasoning": "r", "metExpectation": met}
+                                           for a in task.evaluation_criteria.nl_assertions]})
+        return answer
+
+    yes = scoring.score("mock", task, msgs, "user_stop", solo=False, judge=judge(True))
+    no = scoring.score("mock", task, msgs, "user_stop", solo=False, judge=judge(False))
+    assert (yes.reward, yes.components, yes.passed) == (1.0, {"nl": 1.0}, True)
+    assert (no.reward, no.components, no.passed) == (0.0, {"nl": 0.0}, False)
+    assert "The user is complimented" in seen[0][1]["content"]  # tau2's prompt lists the assertions
+
+
+def test_user_simulator_speaks_through_the_chat_function():
+    """LLMUser: tau2's user system prompt + role-flipped text history, answered by the chat function."""
+    from tether.env.tau2.env import Tau2Env
+    from tether.env.tau2.user import LLMUser
+
+    calls = []
+
+    def chat(messages):
+        calls.append(messages)
+        return "Hi, I want a task." if len(calls) == 1 else "Thanks. ###STOP###"
+
+    env = Tau2Env("mock", solo=False, user_factory=lambda task: LLMUser(task, chat))
+    obs = env.reset("create_task_1")
+    assert obs["user_reply"] == "Hi, I want a task."
+    assert calls[0][0]["role"] == "system" and "<scenario>" in calls[0][0]["content"]
+    assert calls[0][1:] == [{"role": "user", "content": "Hi! How can I help you today?"}]
+    env.step({"name": "create_task", "params": {"user_id": "user_1", "title": "Important Meeting"}})
+    _, reward, done, info = env.step({"name": "respond_to_user", "params": {"message": "Done."}})
+    assert done and info["termination"] == "user_stop" and reward == 1.0
+    # the user saw text only: greeting, its own line, the agent's "Done." (tool calls stay with the agent)
+    assert [m["content"] for m in calls[1][1:]] == ["Hi! How can I help you today?", "Hi, I want a task.", "Done."]
+    assert [m["role"] for m in calls[1][1:]] == ["user", "assistant", "user"]
