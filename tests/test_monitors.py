@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from conftest import SMALL_RUN, read_rows
 from tether.cli import app
 from tether.config import RunConfig
 from tether.pipeline.monitors import Monitors
 from tether.types import Group, Trajectory
 
-from conftest import SMALL_RUN, read_rows
-
-HEALTHY = {"optim/entropy": 0.8, "optim/raw_reward_std_within_group": 0.3,
+HEALTHY = {"agent/num_tool_calls": 2.5, "optim/entropy": 0.8, "optim/raw_reward_std_within_group": 0.3,
            "optim/degenerate_group_ratio_before_filter": 0.25, "optim/kl_divergence": 0.001,
            "optim/is_masked_fraction": 0.01, "reward/mean": 0.5, "rollout/success_rate": 0.5}
 
@@ -37,6 +36,7 @@ def test_a_healthy_run_is_silent():
 
 @pytest.mark.parametrize("check, metric, bad", [
     ("exploration/entropy", "optim/entropy", 0.1),  # < min_entropy_ratio 0.2 × the first step's 0.8
+    ("signal/no_tool_calls", "agent/num_tool_calls", 0.0),
     ("signal/reward_std", "optim/raw_reward_std_within_group", 0.04),  # < 0.05
     ("signal/degenerate_groups", "optim/degenerate_group_ratio_before_filter", 0.95),  # > 0.9
     ("shift/kl", "optim/kl_divergence", 0.06),  # > max_kl 0.05
@@ -60,10 +60,12 @@ def test_nan_kl_from_skipped_updates_is_not_a_kl_failure():
 
 def test_reward_up_while_success_flat():
     # window 4: reward 0.2, 0.2 | 0.4, 0.4 → +0.2 ≥ reward_rise 0.1; success 0.5, 0.5 | 0.52, 0.52 → +0.02 < 0.2/4
-    rows = [{"reward/mean": r, "rollout/success_rate": s} for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.52), (0.4, 0.52)]]
+    rows = [{"reward/mean": r, "rollout/success_rate": s}
+            for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.52), (0.4, 0.52)]]
     assert run_rows(Monitors(cfg(trend_window=4)), rows) == [(4, "hacking/reward_without_success")]
     # the same rise with success rising by 0.1 (≥ 0.05): learning, not hacking
-    learning = [{"reward/mean": r, "rollout/success_rate": s} for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.6), (0.4, 0.6)]]
+    learning = [{"reward/mean": r, "rollout/success_rate": s}
+                for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.6), (0.4, 0.6)]]
     assert run_rows(Monitors(cfg(trend_window=4)), learning) == []
 
 
@@ -144,9 +146,56 @@ def test_a_run_records_monitors_logs_syncs_and_stops_on_fail(tmp_path, tiny_mode
     assert stop.exit_code == 3, stop.output
     said = " ".join(stop.output.split())  # the random tiny model never succeeds: the signal checks fail too
     assert "stopped by the monitors after step 1 (exploration/entropy, " in said and "signal/reward_std" in said
+    assert "signal/no_tool_calls" in said  # the untrained model writes no tool call
     assert (tmp_path / "stop" / "checkpoints" / "step_1").is_dir()
     assert [r["step"] for r in read_rows(tmp_path / "stop")] == [0, 1]
     # the monitors' keys may change on resume without --allow-config-change; the run finishes
     resumed = runner.invoke(app, ["train", str(path), "--run-dir", str(tmp_path / "stop"), "--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert [r["step"] for r in read_rows(tmp_path / "stop")] == [0, 1, 2, 3]
+
+
+def test_a_parser_that_never_parses_is_diagnosed_by_verify_env_and_the_monitors(tiny_model):
+    """The expert's hermes calls replayed through the real agent loop with tool_parser.name: pythonic (a parser for
+    another model family): no call is parsed; verify env names the parser, the monitor fails on zero tool calls."""
+    import asyncio
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tether.agent.loop import LoopLimits, make_agent_loop
+    from tether.agent.replay import action_text, play_actions
+    from tether.engine.base import SamplingParams
+    from tether.engine.scripted import ScriptedEngine
+    from tether.metrics import MetricsRecorder, set_recorder
+    from tether.pipeline.rollouter import record_rollout_metrics
+    from tether.runtime import env_factory
+    from tether.verify.env import check_policy
+    from tether.warmstart.demos import EXPERTS
+
+    c = RunConfig.model_validate({"tool_parser": {"name": "pythonic"}})
+    make_env, tasks = env_factory(c)
+    task = tasks("eval")[0]
+    limits = LoopLimits.from_config(c.agent_loop, 4096)
+    actions, _ = play_actions(make_env(), task, EXPERTS[c.environment.name](0.0, random.Random(0)), limits)
+    assert actions[0]["name"] != "respond_to_user"  # the expert looks something up first: a real tool call
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    engine = ScriptedEngine(tok, [action_text(a) for a in actions] * limits.max_assistant_turns)
+    loop = make_agent_loop("tool_agent", engine=engine, tokenizer=tok, sampling=SamplingParams(max_tokens=256),
+                           limits=limits, parser="pythonic")
+    traj = asyncio.run(loop.run(task, make_env()))
+    assert traj.num_tool_calls == 0 and "<tool_call>" in traj.messages[2]["content"]
+    (calls,) = [ch for ch in check_policy(c, [traj]) if ch.name == "policy/tool calls"]
+    assert calls.status == "fail" and "tool_parser.name = pythonic" in calls.diagnosis
+    recorder = MetricsRecorder()
+    prev = set_recorder(recorder)
+    try:
+        record_rollout_metrics([traj], None)
+        row = recorder.peek()
+    finally:
+        set_recorder(prev)
+    assert row["agent/num_tool_calls"] == 0
+    m = Monitors(c)
+    found = [f for step in (1, 2, 3) for f in m.observe(step, {**HEALTHY, **row})]
+    assert [(f.step, f.check) for f in found] == [(3, "signal/no_tool_calls")]
+    assert "tool_parser.name (now pythonic)" in found[0].message

@@ -58,3 +58,23 @@ def test_function_call_parser_accepts_bare_and_fenced_json():
 def test_unknown_parser_names_the_registered_ones():
     with pytest.raises(KeyError, match="function_call_parser"):
         get_parser("nope")
+
+
+def test_pythonic_reads_a_list_of_keyword_calls():
+    from tether.agent.parsers import get_parser
+
+    parse = get_parser("pythonic")
+    turn = parse(' [query_inventory(sku_id="SKU-9"), check_refund_policy(order_id="o-1", reason_code=3)] ')
+    assert [(c.name, c.arguments, c.id) for c in turn.calls] == [
+        ("query_inventory", {"sku_id": "SKU-9"}, "call_0"),
+        ("check_refund_policy", {"order_id": "o-1", "reason_code": 3}, "call_1")]
+    assert turn.content == "" and turn.errors == []
+    # prose, prose in brackets, and hermes blocks are content: no call, no error
+    for text in ("Your refund is on its way.", "[see the order above]",
+                 '<tool_call>{"name": "query_inventory", "arguments": {"sku_id": "SKU-9"}}</tool_call>'):
+        turn = parse(text)
+        assert turn.calls == [] and turn.errors == [] and turn.content == text
+    # positional or non-literal arguments are errors the model sees
+    assert "by keyword" in parse('[query_inventory("SKU-9")]').errors[0].reason
+    assert "literals" in parse("[query_inventory(sku_id=open('x'))]").errors[0].reason
+    assert "name(arg=value" in parse("[1, 2]").errors[0].reason

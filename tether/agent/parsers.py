@@ -3,7 +3,8 @@
 ``hermes`` reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5 / Hermes-2-Pro
 format, as verl's and vLLM's ``hermes`` parsers do). ``function_call_parser`` (the seed's name) accepts the
 same blocks and, when there are none, an OpenAI-style function call written as bare or fenced JSON
-(``{"name": ..., "arguments": ...}``, ``"parameters"`` accepted for ``"arguments"``).
+(``{"name": ..., "arguments": ...}``, ``"parameters"`` accepted for ``"arguments"``). ``pythonic`` reads a turn
+that is a Python list of keyword calls (``[name(arg="v")]``, the Llama-3.2/4 format, vLLM's ``pythonic``).
 
 A malformed call is never an exception: it is returned as a ``ParseError`` that the agent loop turns into
 an error observation for the model. The model's text is untrusted, so a call is also refused (a
@@ -21,6 +22,7 @@ quadratic time on texts with many unclosed ``<tool_call>`` or ``` fences (80 s f
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
 from collections.abc import Callable
@@ -190,3 +192,43 @@ def parse_function_call(text: str) -> ParsedTurn:
         if stripped.startswith("{") and stripped.endswith("}"):
             candidates, content = [stripped], ""
     return _collect(_parse_blocks(candidates), content)
+
+
+def _literal(node: ast.expr) -> Any:
+    return ast.literal_eval(node)  # strings, numbers, booleans, None, lists, dicts, tuples; anything else raises
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall | ParseError:
+    raw = ast.unparse(node)[:200]
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        return ParseError(raw, "each element of a pythonic tool-call list must be a call name(arg=value, ...)")
+    if node.args:
+        return ParseError(raw, f"{node.func.id}(...): pass arguments by keyword (name=value)")
+    try:
+        args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return ParseError(raw, f"{node.func.id}(...): argument values must be literals (strings, numbers, lists, "
+                               "dicts)")
+    problem = argument_problem(args) or text_problem(node.func.id, "the tool name")
+    if problem:
+        return ParseError(raw, problem)
+    return ToolCall(name=node.func.id, arguments=args)
+
+
+@register_parser("pythonic")
+def parse_pythonic(text: str) -> ParsedTurn:
+    """Llama-3.2/4-style calls (vLLM's ``pythonic`` parser): the whole turn is a Python list of calls,
+    ``[get_order(order_id="o-1"), query_inventory(sku_id="SKU-9")]``; any other text is content, not a call."""
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return ParsedTurn(content=stripped)
+    if len(stripped) > LIMITS.max_chars:
+        return ParsedTurn(content="", errors=[ParseError(stripped[:200], f"a tool-call list is at most "
+                                                                         f"{LIMITS.max_chars} characters")])
+    try:
+        tree = ast.parse(stripped, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ParsedTurn(content=stripped)  # prose in brackets, not a call list
+    if not isinstance(tree.body, ast.List):
+        return ParsedTurn(content=stripped)
+    return _collect([_pythonic_call(e) for e in tree.body.elts[:MAX_CALLS_PER_TURN]], "")

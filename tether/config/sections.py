@@ -34,9 +34,11 @@ class AgentLoopConfig(Section):
 class ToolParserConfig(Section):
     """How tool calls are parsed out of the model's text."""
 
-    name: Literal["hermes", "function_call_parser"] = "hermes"
+    name: Literal["hermes", "function_call_parser", "pythonic"] = "hermes"
     """Registered tool-call parser (``tether.agent.parsers``): hermes ``<tool_call>{json}</tool_call>`` blocks,
-    or function_call_parser (the same blocks, else an OpenAI-style ``{"name", "arguments"}`` JSON object)."""
+    function_call_parser (the same blocks, else an OpenAI-style ``{"name", "arguments"}`` JSON object), or
+    pythonic (a turn that is a Python list of keyword calls, ``[name(arg="v")]``: Llama-3.2/4 models). It must
+    match the format the model writes: a mismatch parses no call at all (``monitor/signal/no_tool_calls``)."""
     stop_token_ids: list[NonNegInt] = []
     """Extra token ids (vocabulary ids of the policy's tokenizer) that end a generation, e.g. the
     end-of-tool-call token."""

@@ -6,7 +6,8 @@ measures:
 - **exploration**: ``optim/entropy`` below ``min_entropy_ratio`` × its first value, or fewer than
   ``min_distinct_strategies`` strategies per group. Remedy: exploration.entropy_coef, clip_higher, diversity_bonus,
   engine.temperature.
-- **signal**: ``optim/raw_reward_std_within_group`` below ``min_reward_std``, or
+- **signal**: no tool call parsed in the step (``agent/num_tool_calls`` = 0: parser and model disagree; remedy:
+  tool_parser.*), ``optim/raw_reward_std_within_group`` below ``min_reward_std``, or
   ``optim/degenerate_group_ratio_before_filter`` above ``max_degenerate_ratio``. Remedy: degenerate_group_filter
   .min_reward_std and .resample_attempts; base_rollouts_per_prompt 8 → 4 with max_rollouts_per_prompt 48.
 - **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, or ``optim/is_masked_fraction``
@@ -117,10 +118,11 @@ def checks(cfg: RunConfig) -> list[Check]:
     po = cfg.policy_optimization
     adv = po.advantage.degenerate_group_filter
     p = m.patience
-    raise_signal = (f"raise policy_optimization.advantage.degenerate_group_filter.min_reward_std (now {adv.min_reward_std:g}) "
-                    f"and .resample_attempts (now {adv.resample_attempts}); check that rollout_allocation does not spend "
-                    "the budget on easy tasks: lower rollout_allocation.base_rollouts_per_prompt (8 → 4) and give "
-                    "max_rollouts_per_prompt the savings (e.g. 48) so hard tasks get more samples")
+    raise_signal = (f"raise policy_optimization.advantage.degenerate_group_filter.min_reward_std (now "
+                    f"{adv.min_reward_std:g}) and .resample_attempts (now {adv.resample_attempts}); check that "
+                    "rollout_allocation does not spend the budget on easy tasks: lower "
+                    "rollout_allocation.base_rollouts_per_prompt (8 → 4) and give max_rollouts_per_prompt the "
+                    "savings (e.g. 48) so hard tasks get more samples")
     shift = ("tighten learner.off_policy_correction.clip_ratio (0.2 → 0.1), check token_level_clipping is on and "
              "tis_enabled: true; loosen kl_control.target_kl (0.01 → 0.02) only if KL settles")
     hacking = ("turn on each pattern of environment.verifier.anti_hacking.detect_patterns and see which fires; "
@@ -138,6 +140,13 @@ def checks(cfg: RunConfig) -> list[Check]:
               f"{m.min_distinct_strategies:g}",
               "exploration collapse: the rollouts of a task repeat one tool-call path", explore,
               _below("monitor/distinct_strategies", m.min_distinct_strategies), p),
+        Check("signal/no_tool_calls", "{value:.3g} tool calls per trajectory",
+              "signal loss: no tool call was parsed from the policy's text, so no episode can do the task — the "
+              "model writes calls in a format the parser does not read, or generation stops before the call closes",
+              f"tool_parser.name (now {cfg.tool_parser.name}) must match the model's tool-call format, "
+              "tool_parser.stop_token_ids must not end a turn inside a call; check with `tether verify env CONFIG "
+              "--policy`; an untrained model never calls a tool (warm-start it: model.preset: tiny-sft, tether sft)",
+              lambda row, _: row["agent/num_tool_calls"] if row.get("agent/num_tool_calls", 1.0) == 0 else None, p),
         Check("signal/reward_std", "within-group reward std {value:.3g} (before the filter) < monitors.min_reward_std "
               f"{m.min_reward_std:g}",
               "signal loss: the rewards of a group barely differ, advantages are ≈ 0 and the gradient is noise — "
