@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tether.agent.loop import AgentLoopBase
 from tether.agent.parsers import get_parser
 from tether.config import RunConfig
 from tether.pipeline.rollouter import episode_seed
@@ -129,7 +130,8 @@ def check_consistency(checkpoint: str | Path, cfg: RunConfig, *, num_tasks: int 
         if not tasks:
             raise ValueError(f"the {split} split of environment {cfg.environment.name!r} has no tasks")
         log(f"training path: {len(tasks)} {split} tasks through the agent loop (local engine, greedy)")
-        train = asyncio.run(_training_path(rt, tasks))
+        loop = rt.loop(greedy=True)
+        train = asyncio.run(_training_path(rt, loop, tasks))
     finally:
         rt.close()
     greedy = sampling_params(cfg, greedy=True)
@@ -142,7 +144,7 @@ def check_consistency(checkpoint: str | Path, cfg: RunConfig, *, num_tasks: int 
                 f"(temperature {request['temperature']}, top_p {request['top_p']}, max_tokens {request['max_tokens']})")
             client = LLMClient(server.base_url + "/v1", model="policy", timeout_s=600.0, max_retries=0)
             stop_ids = tuple(sorted(app.state.generator.chat_stop_ids))
-            deploy = DeployClient(client, rt.loop().limits, request, stop_ids)
+            deploy = DeployClient(client, loop.limits, request, stop_ids)
             episodes = asyncio.run(_deployment_path(deploy, rt, tasks, cfg.rollout.worker.max_concurrent_tasks))
     finally:
         engine.close()
@@ -153,8 +155,7 @@ def check_consistency(checkpoint: str | Path, cfg: RunConfig, *, num_tasks: int 
     return ConsistencyReport(results, diagnosis, time.perf_counter() - t0, pairs, same, prompt_diff)
 
 
-async def _training_path(rt: Runtime, tasks: list[Any]) -> list[Episode]:
-    loop = rt.loop(greedy=True)
+async def _training_path(rt: Runtime, loop: AgentLoopBase, tasks: list[Any]) -> list[Episode]:
     seed, limit = rt.cfg.trainer.seed, asyncio.Semaphore(rt.cfg.rollout.worker.max_concurrent_tasks)
     settings = Settings(loop.sampling.temperature, loop.sampling.top_p, loop.sampling.max_tokens, loop.stop_ids)
     parse = get_parser(rt.cfg.tool_parser.name)
