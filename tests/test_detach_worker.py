@@ -140,3 +140,17 @@ def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run):
           f"detach save {h[1]['perf/detach_save_s']:.2e} s, restore {h[1]['perf/detach_restore_s']:.2e} s")
     assert gap_held < 1e-3 < gap_plain
     assert h[1]["perf/detach_restore_s"] > 0 and "perf/detach_restore_s" not in p[1]
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ({}, "rollout.mode sync"),
+    ({"rollout": {"mode": "one_step_off_policy"}, "trainer": {"trigger_parameter_sync_step": 1}},
+     "trigger_parameter_sync_step = 1"),
+    ({"rollout": {"mode": "fully_async"}, "trainer": {"trigger_parameter_sync_step": 4},
+      "learner": {"off_policy_correction": {"method": "none", "tis_enabled": False}}}, "no π_prox"),
+    ({"rollout": {"mode": "fully_async"}, "trainer": {"trigger_parameter_sync_step": 4}}, None),
+])
+def test_a_detach_worker_that_cannot_act_is_warned_about(overrides, why):
+    cfg = RunConfig.model_validate({**overrides, "actor_worker": {"class": "DetachActorWorker"}})
+    warned = [w for w in cfg.warnings() if w.startswith("actor_worker.class")]
+    assert (warned == []) if why is None else (len(warned) == 1 and why in warned[0]), warned

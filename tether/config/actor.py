@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from tether.config.base import Section
 
-__all__ = ["ActorWorkerConfig"]
+if TYPE_CHECKING:
+    from tether.config.run import RunConfig
+
+__all__ = ["ActorWorkerConfig", "actor_inert"]
 
 
 class ActorWorkerConfig(Section):
@@ -27,3 +30,22 @@ class ActorWorkerConfig(Section):
     the same): data parallel with the parameters, gradients and optimizer state sharded by PyTorch's
     ``fully_shard`` (``tether.learner.fsdp``; gloo on CPU, NCCL on GPU). veOmni and megatron are not built and
     are refused at load."""
+
+
+def actor_inert(cfg: RunConfig) -> list[str]:
+    """Warnings for ``tether.config.inert``: a DetachActorWorker whose held π_prox cannot differ from the current
+    weights in this run."""
+    if cfg.actor_worker.class_ != "DetachActorWorker":
+        return []
+    opc = cfg.learner.off_policy_correction
+    if opc.method == "none" and not opc.tis_enabled:
+        why = ("no π_prox is computed (learner.off_policy_correction.method: none, tis_enabled: false): the ratio "
+               "is taken to the behaviour policy")
+    elif cfg.rollout.mode == "sync":
+        why = "rollout.mode sync pushes the weights after every step, so each step starts from the synced weights"
+    elif cfg.trainer.trigger_parameter_sync_step == 1:
+        why = "trainer.trigger_parameter_sync_step = 1 pushes the weights after every step"
+    else:
+        return []
+    return [f"actor_worker.class = DetachActorWorker changes nothing in this run: {why}; it holds π_prox at the "
+            f"last sync's weights across a window of trigger_parameter_sync_step > 1 steps in an async mode"]
