@@ -193,3 +193,25 @@ def test_a_user_slower_than_the_respond_timeout_is_a_failed_call():
         assert obs["tool_error"] == error and not done
         assert ("did not answer within 0.1 s" in obs["last_tool_result"]) == error
         assert len(env.tau2_messages) == (2 if error else 4)  # a timed-out message is not in the conversation
+
+
+def test_eval_trials_reports_pass_hat_k_for_any_environment(tiny_model, tmp_path):
+    """``tether eval --trials 2`` on the customer-service env: pass^1 per kind is the kind's success rate, and
+    pass^2 is the mean of C(c, 2) / C(2, 2) = 1 only where both trials succeeded."""
+    from typer.testing import CliRunner
+
+    from tether.cli import app
+
+    config = tmp_path / "cs.yaml"
+    config.write_text("environment: {num_train_tasks: 4, num_eval_tasks: 4}\n"
+                      "engine: {max_tokens: 12, temperature: 1.0}\n"
+                      "agent_loop: {max_assistant_turns: 2, max_user_turns: 2}\n")
+    result = CliRunner().invoke(app, ["eval", tiny_model, "--config", str(config), "--trials", "2", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.output[result.output.index("{"):])
+    kinds = sorted(k.split("/")[-1] for k in metrics if k.startswith("eval/pass^1/"))
+    assert kinds and kinds == sorted(k.split("/")[-1] for k in metrics if k.startswith("eval/success_rate/"))
+    for kind in kinds:
+        assert metrics[f"eval/pass^1/{kind}"] == pytest.approx(metrics[f"eval/success_rate/{kind}"])
+        assert metrics[f"eval/pass^2/{kind}"] <= metrics[f"eval/pass^1/{kind}"]

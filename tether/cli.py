@@ -263,12 +263,17 @@ def eval_(
     set_: Overrides = None,
     tasks: Annotated[int | None, typer.Option("--tasks", min=1, help="Evaluate the first N held-out tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+    trials: Annotated[int, typer.Option("--trials", min=1, help=(
+        "Rollouts per task. 1: greedy. K > 1: sampled at engine.temperature, and pass^1 .. pass^K are reported "
+        "per task kind (a tau2 task's kind is its domain), as tau2's report does."))] = 1,
 ) -> None:
-    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task)."""
+    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task, or --trials sampled ones) and print
+    pass^k per task kind (tau-bench's pass^k: mean over tasks of C(successes, k) / C(trials, k))."""
     import asyncio
     import json
 
-    from tether.pipeline.evaluate import evaluate
+    from tether.env.tau2 import passk
+    from tether.pipeline.evaluate import eval_metrics, evaluate
     from tether.pipeline.progress import Progress
     from tether.pipeline.rollouter import Rollouter
     from tether.runtime import Runtime
@@ -283,16 +288,30 @@ def eval_(
         raise fail(str(e)) from None
     try:
         eval_tasks = rt.tasks("eval")[:tasks]
-        rollouter = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
-        metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
+        rollouter = Rollouter(rt.loop(greedy=trials == 1), rt.make_env,
+                              max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+        if trials == 1:
+            metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
+            per_task = [[t] for t in trajs]
+        else:
+            groups = asyncio.run(rollouter.groups(eval_tasks, trials, cfg.trainer.seed, keep_failed=True))
+            by_id = {g.task_id: g.trajectories for g in groups}
+            per_task = [by_id.get(t.id, []) for t in eval_tasks]
+            trajs = [t for ts in per_task for t in ts]
+            metrics = eval_metrics([t for t, ts in zip(eval_tasks, per_task) for _ in ts], trajs)
     finally:
         rt.close()
+    kinds, wins = [t.kind for t in eval_tasks], [[t.success for t in ts] for ts in per_task]
+    for kind, ks in passk.by_group(kinds, wins).items():
+        metrics.update({f"eval/pass^{k}/{kind}": v for k, v in ks.items()})
     if as_json:
         typer.echo(json.dumps(metrics, indent=2))
     else:
-        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, eval_tasks, trajs)
+        shown = [t for t, ts in zip(eval_tasks, per_task) for _ in ts]
+        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, shown, trajs)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
+        typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task]))
 
 
 @app.command()
