@@ -154,8 +154,14 @@ def test_a_real_short_run_records_the_signal_and_is_diagnosed(small_run):
 
 def test_a_learning_rate_that_makes_kl_explode_is_diagnosed(small_run):
     """lr = 1 on the tiny model: the KL to the reference reaches ≈ 4 nats per token by step 3 (max_kl 0.05)."""
-    rows, _, run_dir = small_run("kl", "policy_optimization.optimizer.lr=1.0", "trainer.total_steps=4")
+    rows, _, run_dir = small_run("kl", "policy_optimization.optimizer.lr=1.0", "trainer.total_steps=4",
+                                 "monitors.patience=2")
     assert max(r.get("optim/kl_divergence", 0.0) for r in rows) > 0.05
+    kl = [r.get("optim/kl_divergence", 0.0) > 0.05 for r in rows if r["step"] >= 1]
+    # the monitor fails from the second step in a row above max_kl (monitors.patience = 2), and only then
+    assert [r["monitor/shift/kl"] for r in rows if r["step"] >= 1] == [
+        float(i >= 1 and kl[i - 1] and kl[i]) for i in range(len(kl))]
+    assert 1.0 in [r["monitor/shift/kl"] for r in rows if r["step"] >= 1]
     r = verify(run_dir)
     assert r.exit_code == 1
     assert "✗ optim/kl_divergence < max_kl = 0.05" in r.output and "distribution shift" in r.output
