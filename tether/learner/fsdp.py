@@ -13,8 +13,10 @@ LM head) is one ``fully_shard`` unit, gathered for its forward and backward and 
 mini-batch's loss, so the sum is the single-process gradient. ``clip_grad_norm_`` on the sharded gradients
 gives the global norm, so the clip and the non-finite guard decide the same on every rank.
 
-π_prox (with an off-policy correction) and the KL reference are scored on the whole batch by every rank: a
-forward is a collective, and the batch is small next to the weights. The reference model is sharded the same way.
+The KL reference is sharded the same way and scored on each rank's share. π_prox (with an off-policy correction)
+is scored on the whole batch by every rank — the same forwards on every rank, as FSDP needs, at the price of one
+no-grad forward of every row per rank; sharing that pass out too is left to do. Collectives of the step's
+metrics run on the GPU under NCCL, on the CPU under gloo (``tether.learner.ranks``).
 
 A rank is a process: ``torchrun --nproc-per-node N`` (or ``torch.multiprocessing``, or a Ray actor per rank)
 sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_ranks`` reads them.

@@ -49,12 +49,12 @@ class Ranks:
         return mb.slice(0, 1), 0.0
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum of ``value`` over the ranks (``value`` itself in one process)."""
+        """The sum of ``value`` over the ranks (``value`` itself in one process), on ``value``'s device."""
         if not self.sharded:
             return value
-        out = value.detach().clone()
+        out = value.detach().to(_comm_device(), copy=True)
         dist.all_reduce(out)
-        return out
+        return out.to(value.device)
 
     def merge(self, values: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
         """Per-token metrics as (value, weight) pairs → one pair per name whose value is the weighted mean over
@@ -64,11 +64,18 @@ class Ranks:
         names = sorted(values)  # the same names in the same order on every rank: the same code ran
         sums = torch.tensor([[sum(v * w for v, w in values[n]), sum(w for _, w in values[n]),
                               sum(v for v, _ in values[n]), len(values[n])] for n in names],
-                            dtype=torch.float64).reshape(len(names), 4)
+                            dtype=torch.float64, device=_comm_device()).reshape(len(names), 4)
         dist.all_reduce(sums)
         # no weight anywhere (e.g. no model tokens): the plain mean, as Learner's _weighted_mean takes it
         return {n: [(s / w if w else plain / count, w)]
                 for n, (s, w, plain, count) in zip(names, sums.tolist(), strict=True)}
+
+
+def _comm_device() -> torch.device:
+    """Where the default group's collectives take their tensors: NCCL's on this rank's GPU, gloo's on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
