@@ -254,3 +254,14 @@ def test_detach_worker_restores_the_shards(sharded):
     other weights than the same case with π_prox moving every step."""
     held, moving = sharded["detach_worker"]["params"], sharded["clip_kl_entropy"]["params"]
     assert max((held[n] - moving[n]).abs().max().item() for n in held) > 1e-5
+
+
+def test_a_run_refuses_several_trainer_ranks(model, monkeypatch):
+    """A run's trainer is one process: launched under torchrun with WORLD_SIZE=2 it says so before any group starts
+    (every rank would roll out its own batches)."""
+    from tether.learner.fsdp import run_learner
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="actor_worker.strategy: fsdp2 with WORLD_SIZE=2"):
+        run_learner(copy.deepcopy(model), merged({"actor_worker": {"strategy": "fsdp2"}}))
+    assert isinstance(run_learner(copy.deepcopy(model), merged({})).model, type(model))  # none: no group at all
