@@ -215,3 +215,17 @@ def test_eval_trials_reports_pass_hat_k_for_any_environment(tiny_model, tmp_path
     for kind in kinds:
         assert metrics[f"eval/pass^1/{kind}"] == pytest.approx(metrics[f"eval/success_rate/{kind}"])
         assert metrics[f"eval/pass^2/{kind}"] <= metrics[f"eval/pass^1/{kind}"]
+
+
+@needs_tau2
+def test_the_gpu_example_config_loads_and_builds_its_environment(monkeypatch):
+    from tether.config import load_config
+    from tether.env.tau2 import make_env
+
+    monkeypatch.setenv("TAU2_USER_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("TAU2_USER_MODEL", "user-model")
+    monkeypatch.setenv("TAU2_USER_API_KEY", "sk-test")
+    c = load_config(["examples/tau2_retail/config.yaml"], [])
+    assert c.warnings() == []
+    env = make_env("retail", c)
+    assert (env.solo, env.max_steps, env.max_errors, env.user_timeout_s, len(env._train)) == (False, 30, 10, 60.0, 74)
