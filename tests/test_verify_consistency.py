@@ -203,3 +203,19 @@ def test_serve_chat_template_option_reaches_the_server(setup, monkeypatch):
     assert seen["chat_template"] == Path(root / "tools.jinja").read_text()
     bad = runner.invoke(app, ["serve", model, "--chat-template", str(root / "bad.jinja")])
     assert bad.exit_code == 2 and "not a valid Jinja template" in bad.output
+
+
+def test_text_that_does_not_retokenize_to_its_own_ids_is_the_tokenizer(setup, chatty_model):
+    """Served with its own template, the random model's turn-1 text goes back to the server as text; its ids
+    differ from the ones the model generated (verl's "never re-tokenize"), so turn 2's prompts differ."""
+    from tether.config import load_config
+
+    root, _ = setup
+    report = check_consistency(chatty_model, load_config([root / "cfg.yaml"], []), num_tasks=2, log=lambda m: None)
+    d = report.diagnosis
+    assert d is not None and d.turn == 1 and d.cause == "tokenizer", d
+    assert "but decode to the same text" in d.detail[0]
+    first = next(r for r in report.results if r.task_id == d.task_id)
+    # Turn 1 was the same prompt (ids and all), the same action, and the same generated ids on both paths.
+    assert first.train.turns[0].prompt_ids == first.deploy.turns[0].prompt_ids
+    assert first.train.turns[0].output_ids == first.deploy.turns[0].output_ids
