@@ -23,17 +23,15 @@ from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
 from tether.config import ConfigError, RunConfig
 from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Env
-from tether.env.customer_service import CustomerServiceEnv, example_texts
+from tether.env.customer_service import example_texts
+from tether.env.plugin.registry import resolve as resolve_environment
+from tether.reward.loop import RewardLoop
 from tether.types import Task
 
 if TYPE_CHECKING:
     from tether.engine.local import LocalEngine
     from tether.engine.remote import RemoteEngine
 
-# Environments selectable by ``environment.name``: a constructor taking the RunConfig and a task lister.
-ENVIRONMENTS: dict[str, tuple[Callable[[RunConfig], Env], Callable[[str, RunConfig], list[Task]]]] = {
-    "customer_service_agent": (CustomerServiceEnv, lambda split, cfg: CustomerServiceEnv(cfg).tasks(split)),
-}
 log = logging.getLogger(__name__)
 
 
@@ -94,11 +92,11 @@ def model_path(cfg: RunConfig) -> str:
 
 
 def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list[Task]]]:
-    try:
-        make, list_tasks = ENVIRONMENTS[cfg.environment.name]
-    except KeyError:
-        raise ValueError(f"environment.name {cfg.environment.name!r} is not a known environment; "
-                         f"known: {sorted(ENVIRONMENTS)}") from None
+    """``environment.name``'s environment (``tether.env.plugin.registry.resolve``: a registered name, an import path,
+    an entry point or ``tau2:<domain>``) as ``(make_env(), list_tasks(split))`` for this run. One environment is
+    built here and closed, so that a config its tools or verifier cannot take fails now, not at the first episode."""
+    make, list_tasks = resolve_environment(cfg.environment.name)  # EnvironmentNotFound (ValueError) says what it tried
+    make(cfg).close()
     return (lambda: make(cfg)), (lambda split: list_tasks(split, cfg))
 
 
@@ -181,16 +179,19 @@ class Runtime:
     make_env: Callable[[], Env]
     tasks: Callable[[str], list[Task]]
     window: int | None = None  # the context window the model can hold (``context_window``)
+    rewards: RewardLoop | None = None  # scores the rubrics when an LLM judge does (``tether.reward``)
 
     @classmethod
-    def build(cls, cfg: RunConfig, model_dir: str | None = None) -> Runtime:
+    def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
+        """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``."""
         from tether.learner.model import load_model_and_tokenizer
 
         path = model_dir or model_path(cfg)
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window)
+        return cls(cfg, model, tokenizer, engine if engine is not None else rollout_engine(cfg, model), make_env, tasks,
+                   window, RewardLoop.from_config(cfg))
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
         return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)

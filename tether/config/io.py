@@ -199,7 +199,7 @@ def describe_error(err: Any, origins: Origins) -> str:
         rule = ctx["error"]
         parts = []
         for rel, value in rule.values.items():
-            full = (*loc, *rel.split("."))
+            full = (*loc, *(int(k) if k.isdigit() else k for k in rel.split(".")))  # list indices as in pydantic
             parts.append(f"`{_dotted(full)}` = {value!r} ({_where(full, origins)})")
         return ", ".join(parts) + f": {rule.rule}"
     if kind == "missing":

@@ -9,6 +9,12 @@ ours and deliberately simple enough to read in one screen:
   than ``max_chars`` with a unique-token ratio below ``min_unique_ratio``, or longer than
   ``3 * max_chars`` at all, or enumerating more than ``max_numbers`` distinct numbers (listing candidate
   amounts so that a substring check passes — the tau-bench "outputs" hole).
+- ``no_op_pass``: an episode that passed its check while writing nothing to the environment's state (its state
+  digest at the end equals the one at the start). A database-diff check passes a do-nothing agent on every task
+  whose gold actions write nothing (tau2 RFC #129); this flags every such pass, whatever the env. It is judged
+  once, at the end of the episode (``HackingDetector.finish``), from what the env tells it: whether the state
+  changed (``state_digest`` before and after) and whether the episode passed. "Writes nothing" is the net
+  change: a write undone before the end counts as none.
 
 Each detection adds one to the episode's ``flags[pattern]`` (→ ``Trajectory.hacking_flags`` and the
 ``reward/hacking/<pattern>`` metric), to a process-wide counter (``hacking_counts()``) and costs
@@ -17,6 +23,7 @@ Each detection adds one to the episode's ``flags[pattern]`` (→ ``Trajectory.ha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -24,7 +31,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-PATTERNS = ("repeated_tool_calls", "context_stuffing")
+NO_OP_PASS = "no_op_pass"
+PATTERNS = ("repeated_tool_calls", "context_stuffing", NO_OP_PASS)
 
 _TOKEN = re.compile(r"\w+")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
@@ -72,6 +80,18 @@ def is_stuffed(text: str, max_chars: int = 300, min_unique_ratio: float = 0.5, m
     return len(set(numbers(text))) > max_numbers
 
 
+def state_digest(state: Any) -> str:
+    """A fingerprint of a JSON-like state (dicts, lists, strings, numbers): sha256 of its canonical JSON. An env
+    whose state is something else (a database, an object) gives its own digest."""
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                     default=repr).encode()).hexdigest()
+
+
+def is_no_op_pass(*, wrote: bool, passed: bool) -> bool:
+    """An episode that passed without changing the state."""
+    return passed and not wrote
+
+
 def penalty_of(flags: Mapping[str, int], penalty: Mapping[str, float]) -> float:
     """Total reward subtracted for ``flags`` (pattern → count)."""
     return sum(float(penalty.get(p, 0.0)) * n for p, n in flags.items())
@@ -108,8 +128,22 @@ class HackingDetector:
         if "context_stuffing" in self.patterns and any(
                 is_stuffed(t, self.max_chars, self.min_unique_ratio, self.max_numbers) for t in texts):
             found.append("context_stuffing")
+        self._count(found)
+        return found
+
+    @property
+    def wants_finish(self) -> bool:
+        """Whether ``finish`` has anything to judge (``no_op_pass`` is detected)."""
+        return self.enabled and NO_OP_PASS in self.patterns
+
+    def finish(self, *, wrote: bool, passed: bool) -> list[str]:
+        """The end-of-episode patterns: ``no_op_pass`` when the episode ``passed`` and did not write state."""
+        found = [NO_OP_PASS] if self.wants_finish and is_no_op_pass(wrote=wrote, passed=passed) else []
+        self._count(found)
+        return found
+
+    def _count(self, found: list[str]) -> None:
         if found:
             self.flags.update(found)
             with _lock:
                 _COUNTS.update(found)
-        return found

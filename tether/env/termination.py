@@ -3,7 +3,8 @@
 Checked after every step, first match wins:
 
 1. ``user_issue_resolved`` — the success criterion: the (simulated) user declared the issue resolved;
-2. ``escalated`` — a terminal tool (``escalate_to_human``) ran without error;
+2. ``escalated`` — a terminal tool (``escalate_to_human``) ran without error (``terminal_reason``: a plugin
+   environment names its own, e.g. ``submitted``);
 3. ``tool_errors`` — ``tool_error_threshold`` error observations so far;
 4. ``max_turns`` — ``max_turns`` steps were taken. ``max_turns_exceeded: truncate`` keeps the verifier's
    partial score and marks the episode ``truncated`` (a time limit, in Gymnasium's sense: not a terminal
@@ -46,6 +47,7 @@ class TerminationRule:
     tool_error_threshold: int = 3
     terminal_tools: frozenset[str] = frozenset()
     success_criteria: str = RESOLVED
+    terminal_reason: str = ESCALATED  # the ending's reason when a terminal tool ran
 
     def __post_init__(self) -> None:
         if self.max_turns_exceeded not in ("truncate", "fail"):
@@ -56,16 +58,17 @@ class TerminationRule:
                              f"use {RESOLVED!r}")
 
     @classmethod
-    def from_config(cls, termination: Any, max_turns: int, terminal_tools: Iterable[str] = ()) -> TerminationRule:
+    def from_config(cls, termination: Any, max_turns: int, terminal_tools: Iterable[str] = (),
+                    terminal_reason: str = ESCALATED) -> TerminationRule:
         return cls(max_turns, termination.max_turns_exceeded, termination.tool_error_threshold,
-                   frozenset(terminal_tools), termination.success_criteria)
+                   frozenset(terminal_tools), termination.success_criteria, terminal_reason)
 
     def check(self, *, resolved: bool, terminal_call: bool, tool_errors: int, turns: int) -> Ending | None:
         """The ending after a step, or None to continue."""
         if resolved:
             return Ending(RESOLVED)
         if terminal_call:
-            return Ending(ESCALATED)
+            return Ending(self.terminal_reason)
         if tool_errors >= self.tool_error_threshold:
             return Ending(TOOL_ERRORS)
         if turns >= self.max_turns:

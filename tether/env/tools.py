@@ -3,10 +3,11 @@
 A ``Tool`` is generic (nothing customer-service specific): a name, a description, its parameters, a
 callable (sync or async) and the ``timeout_ms`` / ``latency_ms`` of the action-space config. A
 ``ToolBox`` holds the tools one episode offers (``Task.tools`` restricts them) and turns every call into a
-``ToolResult``. Every failure — unknown tool, params that are not an object, missing / unexpected /
-non-string / out-of-enum params, a timeout, a ``ToolError`` or any other exception raised by the
-function — becomes an error result (``error=True``) with a short message for the model, never an
-exception out of ``call`` and never a silent empty result.
+``ToolResult``. A tool's parameters are ``Param`` strings or, for a tool built from a function
+(``tether.env.plugin.functions``), the JSON Schema of its signature. Every failure — unknown tool, params that
+are not an object, missing / unexpected / wrongly typed / out-of-enum params, a timeout, a ``ToolError`` or any
+other exception raised by the function — becomes an error result (``error=True``) with a short message for the
+model, never an exception out of ``call`` and never a silent empty result.
 
 Timeouts are enforced with ``asyncio.wait_for`` around simulated latency + the call. The simulated
 latency (lognormal around ``median``, capped at ``max``) is an ``asyncio.sleep``, so that thousands of
@@ -223,43 +224,75 @@ class Param:
     enum: tuple[str, ...] | None = None  # allowed values; the check is case-insensitive
 
 
+_JSON_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {  # JSON Schema type -> (its name, check)
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "array": ("an array", lambda v: isinstance(v, list)),
+    "object": ("an object", lambda v: isinstance(v, Mapping)),
+    "null": ("null", lambda v: v is None),
+}
+
+
+def _type_problem(tool: str, name: str, prop: Mapping[str, Any], value: Any) -> str | None:
+    """Why ``value`` does not fit the top-level JSON Schema ``prop`` (type, nullable, enum), or None."""
+    if value is None and prop.get("nullable"):
+        return None
+    kinds = prop.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    known = [k for k in kinds if k in _JSON_TYPES]
+    if known and not any(_JSON_TYPES[k][1](value) for k in known):
+        wanted = " or ".join(_JSON_TYPES[k][0] for k in known)
+        return f"{tool}: {name} must be {wanted}, got {type(value).__name__}"
+    enum = prop.get("enum")
+    if enum:
+        # Strings are compared case-insensitively (a model's "damaged" for DAMAGED is not an error); the function
+        # receives the value as sent.
+        fold = [e.lower() if isinstance(e, str) else e for e in enum]
+        if (value.strip().lower() if isinstance(value, str) else value) not in fold:
+            return f"{tool}: {name} must be one of {', '.join(str(e) for e in enum)}"
+    return None
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
     description: str
     params: tuple[Param, ...]
-    fn: Callable[..., Any]  # called with the params as keyword arguments (all strings)
+    fn: Callable[..., Any]  # called with the params as keyword arguments
     timeout_ms: float
     latency: Latency | None = None
     blocking: bool = False  # run a sync fn in a worker thread
+    # The parameters' JSON Schema when the tool is built from a function's signature (``tether.env.plugin.functions``);
+    # None: every ``params`` entry is a required string.
+    parameters: Mapping[str, Any] | None = None
 
-    def schema(self) -> dict[str, Any]:
-        """OpenAI function-calling format; every parameter is a required string."""
+    def parameters_schema(self) -> dict[str, Any]:
+        """The ``parameters`` object of the OpenAI schema."""
+        if self.parameters is not None:
+            return dict(self.parameters)
         props: dict[str, Any] = {}
         for p in self.params:
             props[p.name] = {"type": "string", "description": p.description}
             if p.enum:
                 props[p.name]["enum"] = list(p.enum)
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": {
-                    "type": "object",
-                    "properties": props,
-                    "required": [p.name for p in self.params],
-                    "additionalProperties": False,
-                },
-            },
-        }
+        return {"type": "object", "properties": props, "required": [p.name for p in self.params],
+                "additionalProperties": False}
+
+    def schema(self) -> dict[str, Any]:
+        """OpenAI function-calling format."""
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters_schema()}
+        return {"type": "function", "function": fn}
 
     def check_params(self, params: Any) -> str | None:
         """The error message for bad params, or None when they are fine."""
         if not isinstance(params, Mapping):
             return f"arguments of {self.name} must be a JSON object, got {type(params).__name__}"
-        names = [p.name for p in self.params]
-        missing = [n for n in names if n not in params]
+        schema = self.parameters_schema()
+        props: Mapping[str, Any] = schema.get("properties", {})
+        names = list(props)
+        missing = [n for n in schema.get("required", []) if n not in params]
         extra = sorted(k for k in params if k not in names)
         problems = []
         if missing:
@@ -269,12 +302,11 @@ class Tool:
             problems.append(f"unexpected {', '.join(shown)}")
         if problems:
             return f"{self.name} takes ({', '.join(names)}): {'; '.join(problems)}"
-        for p in self.params:
-            value = params[p.name]
-            if not isinstance(value, str):
-                return f"{self.name}: {p.name} must be a string, got {type(value).__name__}"
-            if p.enum and value.strip().lower() not in {e.lower() for e in p.enum}:
-                return f"{self.name}: {p.name} must be one of {', '.join(p.enum)}"
+        for name, prop in props.items():
+            if name in params:
+                problem = _type_problem(self.name, name, prop, params[name])
+                if problem:
+                    return problem
         return None
 
 
