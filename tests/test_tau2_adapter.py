@@ -177,6 +177,8 @@ def test_replays_score_exactly_what_tau2_scores(domain):
             flagged = info["hacking_flags"].get("no_op_pass", 0) == 1
             if variant == "noop":
                 assert flagged == (want == 1.0), where
+                if "db" in info["reward_components"]:  # the hole: doing nothing passes the DB check exactly where
+                    assert info["reward_components"]["db"] == (0.0 if writes else 1.0), where  # gold writes nothing
                 tally["noop_flagged"] += flagged
                 if flagged:  # the hole applies only where the gold actions write nothing
                     assert not writes, where
