@@ -79,7 +79,9 @@ def _reference(domain, task, steps, solo):
     from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
     from tau2.registry import registry
 
-    env = registry.get_env_constructor(domain)(solo_mode=solo)
+    from tether.env.tau2._load import tau2_solo
+
+    env = registry.get_env_constructor(domain)(solo_mode=tau2_solo(domain, solo))  # retail/airline: no solo mode
     init = task.initial_state
     history = list(init.message_history or []) if init else []
     env.set_state(init.initialization_data if init else None, init.initialization_actions if init else None,
@@ -104,7 +106,8 @@ def _reference(domain, task, steps, solo):
     run = SimulationRun(id="ref", task_id=task.id, start_time="", end_time="", duration=0.0,
                         termination_reason=reason, messages=msgs)
     try:
-        return evaluate_simulation(run, task, EvaluationType.ALL, solo_mode=solo, domain=domain).reward, msgs
+        return evaluate_simulation(run, task, EvaluationType.ALL, solo_mode=tau2_solo(domain, solo),
+                                   domain=domain).reward, msgs
     except ValueError as e:  # tau2 raises on an env assertion about a missing record: the adapter scores 0
         return ("raised", str(e)), msgs
 
@@ -320,3 +323,48 @@ def test_user_simulator_speaks_through_the_chat_function():
     # the user saw text only: greeting, its own line, the agent's "Done." (tool calls stay with the agent)
     assert [m["content"] for m in calls[1][1:]] == ["Hi! How can I help you today?", "Hi, I want a task.", "Done."]
     assert [m["role"] for m in calls[1][1:]] == ["user", "assistant", "user"]
+
+
+def _loop(tiny_model, texts, turns):
+    from transformers import AutoTokenizer
+
+    from tether.agent.loop import LoopLimits, make_agent_loop
+    from tether.engine.base import SamplingParams
+    from tether.engine.scripted import ScriptedEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    return make_agent_loop("tool_agent", engine=ScriptedEngine(tokenizer, texts), tokenizer=tokenizer,
+                           sampling=SamplingParams(max_tokens=100_000),
+                           limits=LoopLimits(max_user_turns=turns, max_assistant_turns=turns, max_parallel_calls=1,
+                                             tool_selection="all", context_window=1_000_000))
+
+
+def test_gold_actions_written_by_the_policy_through_the_agent_loop(tiny_model):
+    """The real agent loop: hermes tool calls parsed, run in tau2's environment, scored by tau2 — solo retail
+    (ended by done) and mock with a user (plain text goes to the user, who stops)."""
+    import asyncio
+    import json
+
+    from tether.env.tau2 import list_tasks
+    from tether.env.tau2._load import tasks_by_id
+    from tether.env.tau2.env import Tau2Env
+    from tether.env.tau2.user import ScriptedUser
+
+    def call(name, args):
+        return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+    task = tasks_by_id("retail")["0"]
+    gold = [(a.name, a.arguments) for a in task.evaluation_criteria.actions]
+    texts = [call(n, a) for n, a in gold] + [call("done", {})]
+    want, _ = _reference("retail", task, [("call", n, a) for n, a in gold], solo=True)
+    retail_task = next(t for t in list_tasks("retail", "all") if t.id == "0")
+    traj = asyncio.run(_loop(tiny_model, texts, len(texts)).run(retail_task, Tau2Env("retail"), seed=0))
+    assert (traj.reward, traj.success, traj.termination) == (want, True, "agent_stop") and want == 1.0
+    assert traj.num_tool_calls == len(gold) + 1 and traj.reward_components == {"db": 1.0, "communicate": 1.0}
+
+    env = Tau2Env("mock", solo=False, user_factory=lambda t: ScriptedUser(["Please create it."]))
+    texts = [call("create_task", {"user_id": "user_1", "title": "Important Meeting"}), "Your task is created."]
+    mock_task = next(t for t in list_tasks("mock", "all") if t.id == "create_task_1")
+    traj = asyncio.run(_loop(tiny_model, texts, 4).run(mock_task, env, seed=0))
+    assert (traj.reward, traj.termination, traj.num_user_turns) == (1.0, "user_stop", 1)
+    assert traj.messages[-1] == {"role": "user", "content": "###STOP###"}
