@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.tiny else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if args.tiny:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)  # one rank; under torchrun its own values stay
-    ranks = init_ranks("gloo" if args.tiny else "nccl")
+    ranks = init_ranks("gloo" if args.tiny else "nccl")  # one rank (under torchrun: its environment's)
 
     batch = n_prompts * args.group_size
     cfg = RunConfig.model_validate({
@@ -201,14 +198,6 @@ def run_step(step: int, engine: LocalEngine, learner: Any, tokenizer: Any, cfg: 
           f"{row['step_s']:.2f} s, weight sync {sync}, detach save {row['save_s']:.4f} s / restore "
           f"{row['restore_s']:.4f} s", flush=True)
     return row
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _sync(device: torch.device) -> None:

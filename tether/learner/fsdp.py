@@ -55,19 +55,24 @@ STRATEGIES = ("fsdp", "fsdp2")  # the values of actor_worker.strategy that shard
 
 
 def init_ranks(backend: str | None = None) -> Ranks:
-    """Join (or reuse) the default process group from torchrun's environment variables; returns this rank.
+    """Join (or reuse) the default process group; returns this rank. Under torchrun (``WORLD_SIZE`` set) from its
+    environment variables; otherwise a group of one rank on a free local port (this process's environment is left
+    as it was, so a later group does not reuse a stale port).
 
     ``backend``: None = NCCL when CUDA is available, else gloo. With CUDA, ``LOCAL_RANK`` picks the device."""
     if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RuntimeError(f"FSDP2 ranks need {', '.join(missing)} in the environment (torchrun sets them; "
-                               "one process: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>)")
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        if "WORLD_SIZE" in os.environ:
+            missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} are not: launch the ranks with "
+                                   "torchrun, or unset WORLD_SIZE for one rank")
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
@@ -144,11 +149,6 @@ def run_learner(model: Any, cfg: RunConfig) -> Learner:
         raise RuntimeError(f"actor_worker.strategy: {cfg.actor_worker.strategy} with WORLD_SIZE={world}: a run trains "
                            "with one trainer process (several ranks need their rollouts sent to every rank, which is "
                            "not built); launch the run as one process, without torchrun")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     return sharded_learner(model, cfg, init_ranks())
 
 
