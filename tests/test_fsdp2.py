@@ -256,12 +256,13 @@ def test_detach_worker_restores_the_shards(sharded):
     assert max((held[n] - moving[n]).abs().max().item() for n in held) > 1e-5
 
 
-def test_a_run_refuses_several_trainer_ranks(model, monkeypatch):
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])  # fsdp is the same strategy
+def test_a_run_refuses_several_trainer_ranks(model, monkeypatch, strategy):
     """A run's trainer is one process: launched under torchrun with WORLD_SIZE=2 it says so before any group starts
     (every rank would roll out its own batches)."""
     from tether.learner.fsdp import run_learner
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="actor_worker.strategy: fsdp2 with WORLD_SIZE=2"):
-        run_learner(copy.deepcopy(model), merged({"actor_worker": {"strategy": "fsdp2"}}))
+    with pytest.raises(RuntimeError, match=f"actor_worker.strategy: {strategy} with WORLD_SIZE=2"):
+        run_learner(copy.deepcopy(model), merged({"actor_worker": {"strategy": strategy}}))
     assert isinstance(run_learner(copy.deepcopy(model), merged({})).model, type(model))  # none: no group at all
