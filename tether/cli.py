@@ -134,11 +134,13 @@ def train(
 ) -> None:
     """Train with the merged config FILES (e.g. an example config plus seed files).
 
-    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 130 / 143 stopped by SIGINT /
-    SIGTERM after saving a checkpoint (resume with --resume)."""
+    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 3 stopped by a monitor
+    (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
+    checkpoint (resume with --resume)."""
     import time
 
     from tether.learner.checkpoint import latest_checkpoint
+    from tether.pipeline.monitors import MonitorStop
     from tether.pipeline.preemption import Preempted
     from tether.pipeline.rollouter import RolloutError
     from tether.pipeline.trainer import train as run_training
@@ -153,9 +155,11 @@ def train(
             check_weights(folder)
     try:
         result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
-    except Preempted as e:
+    except (Preempted, MonitorStop) as e:
+        hint = ("change the keys the warnings above name, then resume with (adding --allow-config-change KEY for "
+                "each changed key)") if isinstance(e, MonitorStop) else "resume with"
         Console(stderr=True, soft_wrap=True).print(
-            f"{escape(str(e))}\nresume with: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
+            f"{escape(str(e))}\n{hint}: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
@@ -259,12 +263,17 @@ def eval_(
     set_: Overrides = None,
     tasks: Annotated[int | None, typer.Option("--tasks", min=1, help="Evaluate the first N held-out tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+    trials: Annotated[int, typer.Option("--trials", min=1, help=(
+        "Rollouts per task. 1: greedy. K > 1: sampled at engine.temperature, and pass^1 .. pass^K are reported "
+        "per task kind (a tau2 task's kind is its domain), as tau2's report does."))] = 1,
 ) -> None:
-    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task)."""
+    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task, or --trials sampled ones) and print
+    pass^k per task kind (tau-bench's pass^k: mean over tasks of C(successes, k) / C(trials, k))."""
     import asyncio
     import json
 
-    from tether.pipeline.evaluate import evaluate
+    from tether.env.tau2 import passk
+    from tether.pipeline.evaluate import eval_metrics, evaluate
     from tether.pipeline.progress import Progress
     from tether.pipeline.rollouter import Rollouter
     from tether.runtime import Runtime
@@ -279,17 +288,30 @@ def eval_(
         raise fail(str(e)) from None
     try:
         eval_tasks = rt.tasks("eval")[:tasks]
-        rollouter = Rollouter(rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
-                              rewards=rt.rewards)
-        metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
+        rollouter = Rollouter(rt.loop(greedy=trials == 1), rt.make_env,
+                              max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+        if trials == 1:
+            metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
+            per_task = [[t] for t in trajs]
+        else:
+            groups = asyncio.run(rollouter.groups(eval_tasks, trials, cfg.trainer.seed, keep_failed=True))
+            by_id = {g.task_id: g.trajectories for g in groups}
+            per_task = [by_id.get(t.id, []) for t in eval_tasks]
+            trajs = [t for ts in per_task for t in ts]
+            metrics = eval_metrics([t for t, ts in zip(eval_tasks, per_task) for _ in ts], trajs)
     finally:
         rt.close()
+    kinds, wins = [t.kind for t in eval_tasks], [[t.success for t in ts] for ts in per_task]
+    for kind, ks in passk.by_group(kinds, wins).items():
+        metrics.update({f"eval/pass^{k}/{kind}": v for k, v in ks.items()})
     if as_json:
         typer.echo(json.dumps(metrics, indent=2))
     else:
-        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, eval_tasks, trajs)
+        shown = [t for t, ts in zip(eval_tasks, per_task) for _ in ts]
+        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, shown, trajs)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
+        typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task]))
 
 
 @app.command()
@@ -306,10 +328,17 @@ def serve(
     set_: Overrides = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model id clients send (default: the checkpoint folder's name).")] = None,
+    chat_template: Annotated[Path | None, typer.Option(
+        "--chat-template", metavar="FILE", help="A Jinja chat template file that renders chat requests instead of "
+                                                "the checkpoint's own (vLLM's option). A policy reads prompts as it "
+                                                "was trained on them: check with `tether verify consistency`.")] = None,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (chat and text completions, token ids in and out,
     weight updates) on the local engine; prints the address, runs until Ctrl-C. Exit 2 on bad input."""
     import os
+
+    from tether.serve.server import read_chat_template
+
 
     api_key = None
     if api_key_env is not None:
@@ -322,11 +351,15 @@ def serve(
     if not (checkpoint / "config.json").is_file():
         raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass a Hugging Face model folder")
     check_weights(checkpoint)
+    try:
+        template = None if chat_template is None else read_chat_template(chat_template)
+    except ValueError as e:
+        raise fail(str(e)) from None
     from tether.serve import serve as run_server
 
     try:
         run_server(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
-                   api_key_env=api_key_env)
+                   api_key_env=api_key_env, chat_template=template)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

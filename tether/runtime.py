@@ -25,7 +25,6 @@ from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
 from tether.env.plugin.registry import resolve as resolve_environment
-from tether.reward.loop import RewardLoop
 from tether.types import Task
 
 if TYPE_CHECKING:
@@ -179,19 +178,16 @@ class Runtime:
     make_env: Callable[[], Env]
     tasks: Callable[[str], list[Task]]
     window: int | None = None  # the context window the model can hold (``context_window``)
-    rewards: RewardLoop | None = None  # scores the rubrics when an LLM judge does (``tether.reward``)
 
     @classmethod
-    def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
-        """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``."""
+    def build(cls, cfg: RunConfig, model_dir: str | None = None) -> Runtime:
         from tether.learner.model import load_model_and_tokenizer
 
         path = model_dir or model_path(cfg)
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, engine if engine is not None else rollout_engine(cfg, model), make_env, tasks,
-                   window, RewardLoop.from_config(cfg))
+        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window)
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
         return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)

@@ -13,8 +13,12 @@ from tether.config.sections import LLMClientConfig
 
 # ----------------------------------------------------------------------------- environment
 
-HackPattern = Literal["repeated_tool_calls", "context_stuffing"]
-ObservationField = Literal["last_tool_result", "user_intent", "order_status", "inventory_snapshot"]
+HackPattern = Literal["repeated_tool_calls", "context_stuffing", "no_op_pass"]
+Word = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# What the built-in customer-service environment offers (its env checks them too; here so that `tether config` does).
+CUSTOMER_SERVICE = "customer_service_agent"
+CS_OBSERVATION_FIELDS = ("last_tool_result", "user_intent", "order_status", "inventory_snapshot")
+CS_RULE_CHECKS = ("refund_amount_correct", "policy_compliance")
 
 
 class LatencySpec(Section):
@@ -79,13 +83,14 @@ class StateConfig(Section):
     """Maximum length of prompt + response, in tokens; the episode ends (truncated) when it is reached."""
     memory: MemoryConfig = MemoryConfig()
     """History handling."""
-    observation_fields: list[ObservationField] = [
+    observation_fields: list[Word] = [
         "last_tool_result",
         "user_intent",
         "order_status",
         "inventory_snapshot",
     ]
-    """Fields included in each observation."""
+    """Fields included in each observation: last_tool_result and the environment's own (customer service:
+    user_intent, order_status, inventory_snapshot; a plugin environment's ``observations``)."""
 
 
 class TerminationConfig(Section):
@@ -103,8 +108,9 @@ class TerminationConfig(Section):
 class RuleCheck(Section):
     """A rule-based reward component."""
 
-    check: Literal["refund_amount_correct", "policy_compliance"]
-    """Which rule (``tether.env.customer_service.grading``)."""
+    check: Word
+    """Which rule check of the environment (customer service: refund_amount_correct, policy_compliance — see
+    ``tether.env.customer_service.grading``; a plugin environment's ``rules``)."""
     weight: Weight
     """Weight of this component in the reward, in [0, 10]."""
 
@@ -207,8 +213,10 @@ class UserLLMConfig(Section):
 class EnvironmentConfig(Section):
     """The environment the agent acts in (defaults: the seed's customer-service agent)."""
 
-    name: str = "customer_service_agent"
-    """Registered environment name (``tether.runtime.ENVIRONMENTS``)."""
+    name: str = CUSTOMER_SERVICE
+    """Which environment: a registered name (customer_service_agent), an import path ``package.module:attribute``,
+    the name of a ``tether.environments`` entry point of an installed package, or ``tau2:<domain>``
+    (``tether.env.plugin.registry``)."""
     type: Literal["gym_like"] = "gym_like"
     """Interface. gym_like (``reset``/``step``) is the only value today."""
     action_space: list[ToolSpec] = Field(default_factory=_default_tools)
@@ -222,9 +230,10 @@ class EnvironmentConfig(Section):
     seed: int = 0
     """Seed of task generation and simulated users."""
     num_train_tasks: PosInt = 256
-    """Generated training tasks, in tasks."""
+    """Generated training tasks, in tasks; a plugin environment with its own tasks uses at most this many (the
+    first ones)."""
     num_eval_tasks: PosInt = 64
-    """Generated held-out tasks, in tasks."""
+    """Generated held-out tasks, in tasks; a plugin environment with its own tasks uses at most this many."""
     user_simulator: Literal["scripted", "llm"] = "scripted"
     """Who plays the user: scripted — templated replies, resolved when a message states the right outcome (the
     offline default); llm — a model at ``user_llm.client`` that knows the task's hidden goal and says when it is
@@ -248,4 +257,14 @@ class EnvironmentConfig(Section):
                           "user_llm.client.timeout_s": self.user_llm.client.timeout_s})
         return self
 
-
+    @model_validator(mode="after")
+    def _customer_service_names(self) -> EnvironmentConfig:
+        if self.name != CUSTOMER_SERVICE:
+            return self  # a plugin environment checks its own names when it is built
+        for i, f in enumerate(self.state.observation_fields):
+            _check(f in CS_OBSERVATION_FIELDS, f"the {CUSTOMER_SERVICE} environment observes "
+                   + " or ".join(map(repr, CS_OBSERVATION_FIELDS)), **{f"state.observation_fields.{i}": f})
+        for i, r in enumerate(self.verifier.rule_based):
+            _check(r.check in CS_RULE_CHECKS, f"the {CUSTOMER_SERVICE} environment's rule checks are "
+                   + " or ".join(map(repr, CS_RULE_CHECKS)), **{f"verifier.rule_based.{i}.check": r.check})
+        return self

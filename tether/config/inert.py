@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tether.config.reward import reward_inert
+from tether.config.actor import actor_inert
 
 if TYPE_CHECKING:
     from tether.config.run import RunConfig
@@ -95,7 +95,7 @@ def inert_values(cfg: RunConfig) -> list[str]:
         out.append("engine.weight_sync_dir acts with engine.type remote only: the local engine takes the weights "
                    "in memory")
 
-    out += reward_inert(cfg)
+    out += actor_inert(cfg)
     reachable = max_env_steps(cfg)
     if cfg.environment.state.max_turns > reachable:
         al = cfg.agent_loop
