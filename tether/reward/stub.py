@@ -32,6 +32,16 @@ def window_max(times: list[float], window_s: float) -> int:
     return best
 
 
+def bucket_excess(times: list[float], start: float, per_minute: float) -> float:
+    """How far the requests of ``times`` went beyond a token bucket of ``per_minute`` (burst: one second's worth, at
+    least 1, as ``tether.llm.limits.TokenBucket``) full at ``start``: max over k of k − (burst + rate · (t_k − start)),
+    the k-th arrival at t_k. ≤ 0 when the limit held. A request stamped late (a busy server) only lowers it, so
+    unlike a sliding-window count it cannot report an excess the client did not send."""
+    rate = per_minute / 60.0
+    burst = max(1.0, rate)
+    return max((k - (burst + rate * (t - start)) for k, t in enumerate(sorted(times), 1)), default=0.0)
+
+
 class StubChatServer:
     def __init__(self, answer: Callable[[dict[str, Any]], Answer], *, delay_s: float = 0.0, model: str = "stub"):
         self.answer, self.delay_s, self.model = answer, delay_s, model
