@@ -73,6 +73,16 @@ class Segment:
 
 
 @dataclass
+class TeacherScores:
+    """A teacher's scores of one segment's response tokens (on-policy distillation, ``tether.teacher``)."""
+
+    logprobs: list[float]  # [R] teacher log-prob of each response token (temperature 1)
+    top_ids: list[list[int]] | None = None  # [R][<=K] the teacher's most likely ids at each position, best first
+    top_logprobs: list[list[float]] | None = None  # [R][<=K] their log-probs
+    latency_s: float = 0.0  # wall time from asking to answer (queueing included)
+
+
+@dataclass
 class Trajectory:
     """One episode. Its ``prompt_ids`` … ``versions`` are the first segment; see the module docstring."""
 
@@ -96,6 +106,8 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     continuations: list[Segment] = field(default_factory=list)  # segments after the first, in order
+    pending_judge: Any = None  # rubrics left to the reward loop's judge (tether.env.verifier.PendingRubrics)
+    teacher: list[TeacherScores] | None = None  # one per segment, when a teacher scored the episode
 
     @property
     def segments(self) -> list[Segment]:

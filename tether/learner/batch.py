@@ -42,6 +42,9 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float32, the advantage of the row's trajectory
     traj_index: torch.Tensor | None = None  # [B] long, index of the row's trajectory (None: row i = trajectory i)
     prox_logp: torch.Tensor | None = None  # [B, T] float32, the learner's logprob of token t at the step's start
+    teacher_logp: torch.Tensor | None = None  # [B, T] float32, the teacher's logprob of token t (distillation)
+    teacher_top_ids: torch.Tensor | None = None  # [B, T, K] long, the teacher's top-k ids at position t
+    teacher_top_logp: torch.Tensor | None = None  # [B, T, K] float32, their logprobs (-inf: no entry)
 
     @classmethod
     def from_trajectories(

@@ -16,6 +16,8 @@ engine does), and back-propagate
 
     loss = agg(policy_loss_fn(logp, prox_logp, A, mask, weights=w)) − entropy_coef · agg(H)
            + kl_coef · agg(KL̂(π_θ ‖ π_ref))
+           + teacher.coef · agg(ℓ_distill)   (with a teacher; alone when teacher.rl_loss is false:
+                                              ``tether.teacher.objective``)
 
 where the loss, its aggregation and the off-policy correction w come from the config (``objective.py``): with a
 correction, π_prox is the policy at the start of the step (one forward without grad before the first update) and
@@ -80,6 +82,7 @@ from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
 from tether.learner.ranks import Ranks, full_tensor
 from tether.metrics import record_metric
+from tether.teacher.objective import Distillation
 from tether.types import Trajectory
 
 if TYPE_CHECKING:
@@ -109,6 +112,7 @@ class Learner:
         self.temperature = cfg.engine.temperature if cfg.engine.temperature > 0 else 1.0
         self.entropy_coef = po.exploration.entropy_coef
         self.objective = Objective.from_config(cfg)
+        self.distill = Distillation.from_config(cfg)  # the teacher's term (``tether.teacher.objective``), or None
         self.loss_agg_mode: AggMode = self.objective.agg_mode
         self.norm_len: int = self.objective.norm_len  # Dr. GRPO's constant (objective.max_response_tokens)
         self.policy_loss_fn: PolicyLossFn = self.objective.policy_loss
@@ -173,6 +177,8 @@ class Learner:
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
+        if self.distill is not None:  # the teacher's scores as batch tensors, before any split
+            self.distill.attach(batch, trajectories)
         if self.objective.needs_prox:
             with self.worker.prox_weights(self.version):
                 batch.prox_logp = self._score(batch, device)
@@ -266,6 +272,10 @@ class Learner:
         loss = aggregate(pg_tok, mask, **agg)
         metrics = {f"optim/{k}": m_pg[k] for k in _LOSS_METRICS if k in m_pg}
         metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
+        if self.distill is not None:  # + coef · distillation, or it alone (teacher.rl_loss: false)
+            sel = mask > 0  # [b, T-1] the loss positions
+            loss, m_teacher = self.distill.combine(loss, logits[sel], sel, logp, mb, self.temperature, agg)
+            metrics.update(m_teacher)
 
         with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits, self.temperature)  # [b, T-1]

@@ -5,7 +5,8 @@ Routes (every one but ``/health`` behind the bearer key when ``api_key`` is set)
 - ``GET /health`` — liveness, no key needed: ``{"status": "ok", "weight_version": n}``
 - ``GET /v1/models``, ``GET /v1/models/{id}`` — the one served model
 - ``POST /v1/chat/completions`` — messages (+ ``tools``, ``tool_choice``), streaming, ``n``, logprobs
-- ``POST /v1/completions`` — a prompt as text or token ids; token ids, logprobs and weight versions out
+- ``POST /v1/completions`` — a prompt as text or token ids; token ids, logprobs and weight versions out;
+  ``prompt_logprobs`` (vLLM's) scores the prompt's own tokens
 - ``POST /update_weights_from_disk`` — ``{"model_path", "weight_version"}``: safetensors from a HF folder (SGLang's)
 - ``POST /update_weights_from_tensor?weight_version=N`` — body ``safetensors.torch.save(state_dict)``, for a
   trainer on the same host
@@ -22,6 +23,7 @@ own the engine: whoever built it closes it (``tether.serve.server.serve`` does).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -43,6 +45,7 @@ from tether.serve.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
@@ -177,6 +180,9 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         prompts = _prompts(req.prompt, gen)
         for p in prompts:
             gen.check_prompt(p)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs are not streamed by tether serve; send stream: false",
+                           param="prompt_logprobs")
         max_tokens = [gen.max_new(req.max_tokens, len(p)) for p in prompts]
         stop_ids, strings = gen.stops(req, gen.eos_ids)
         runs = [gen.choices(p, sampling_params(req, m, stop_ids), n=req.n, strings=strings,
@@ -189,9 +195,17 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
                                                model=model_name, logprobs=req.logprobs,
                                                return_token_ids=req.return_token_ids, include_usage=include_usage)
             return StreamingResponse(body, media_type="text/event-stream")
-        return responses.completion_response(gen, await responses.gather(runs), prompts, ident=ident, created=now,
-                                             model=model_name, logprobs=req.logprobs,
-                                             return_token_ids=req.return_token_ids).model_dump()
+        scored = None  # vLLM's prompt_logprobs: a teacher scoring a student's tokens (tether.teacher)
+        if req.prompt_logprobs is not None:
+            k = req.prompt_logprobs
+            scored = [[None if e is None else {i: PromptLogprob(**v) for i, v in e.items()}
+                       for e in await asyncio.to_thread(gen.prompt_logprobs, p, k)] for p in prompts]
+        answer = responses.completion_response(gen, await responses.gather(runs), prompts, ident=ident, created=now,
+                                               model=model_name, logprobs=req.logprobs,
+                                               return_token_ids=req.return_token_ids)
+        for j, choice in enumerate(answer.choices if scored is not None else ()):
+            choice.prompt_logprobs = scored[j // req.n]  # type: ignore[index]
+        return answer.model_dump()
 
     @api.post("/update_weights_from_disk")
     async def update_from_disk(req: UpdateWeightsFromDiskRequest) -> dict[str, Any]:

@@ -217,6 +217,29 @@ class Generator:
         values, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
         return [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
 
+    def prompt_logprobs(self, prompt: list[int], k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: for each prompt position t ≥ 1, the prompt token's log-probability and rank
+        and the ``k`` most likely tokens', keyed by id (None at position 0, which has no context). Raw model
+        log-probs, log_softmax(logits) at temperature 1, as vLLM's default ``logprobs_mode``; one teacher-forced
+        forward pass under the lock that weight updates take."""
+        if self.model is None:
+            raise APIError(400, "prompt_logprobs need the served model's logits; this server's engine has no model",
+                           param="prompt_logprobs")
+        seq = torch.tensor([prompt], device=self.model.device)
+        with self.model_lock, torch.inference_mode():
+            logp = torch.log_softmax(self.model(input_ids=seq).logits[0, :-1].float(), dim=-1)  # [P-1, V]
+        target = torch.tensor(prompt[1:], device=logp.device)  # [P-1]
+        own = logp.gather(1, target[:, None])  # [P-1, 1]
+        ranks = ((logp > own).sum(-1) + 1).tolist()  # [P-1]
+        values, index = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else (logp[:, :0], target[:, None][:, :0])
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for t, (tok, lp, rank) in enumerate(zip(prompt[1:], own[:, 0].tolist(), ranks)):
+            entry = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self.token_text(i)}
+                     for r, (i, v) in enumerate(zip(index[t].tolist(), values[t].tolist()))}
+            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": self.token_text(tok)}
+            out.append(entry)
+        return out
+
     # --- text views ------------------------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:

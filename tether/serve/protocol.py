@@ -10,7 +10,9 @@ response's ``message`` object to its history sends ``refusal``, ``annotations`` 
 
 Extensions, by origin:
 - vLLM: ``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids``), ``stop_token_ids``,
-  ``ignore_eos``, ``skip_special_tokens`` (completions), per-choice ``stop_reason``; a prompt of token ids.
+  ``ignore_eos``, ``skip_special_tokens`` (completions), per-choice ``stop_reason``; a prompt of token ids;
+  ``prompt_logprobs`` (completions, not streamed): each prompt token's log-probability and rank, and the top k at
+  each position — how a teacher scores a student's tokens (``tether.teacher``).
 - SGLang: ``/update_weights_from_disk`` and ``/get_weight_version`` bodies.
 - tether: per-choice ``weight_versions`` (the policy version of each generated token: a partial rollout can span
   versions) and ``num_preempted`` (times a weight update interrupted the generation).
@@ -151,6 +153,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM: score the prompt's tokens
 
 
 class UpdateWeightsFromDiskRequest(_Body):
@@ -244,12 +247,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: a token's log-probability at a prompt position, its rank in the vocabulary (1 = best)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(_Extensions):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"]
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+    # vLLM, with prompt_logprobs = k: per prompt position (None at the first), the prompt token and the top k, by id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
