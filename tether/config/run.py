@@ -13,8 +13,8 @@ from tether.config.actor import ActorWorkerConfig
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
+from tether.config.monitors import MonitorsConfig
 from tether.config.policy import *  # noqa: F401,F403
-from tether.config.reward import RewardConfig, check_reward
 from tether.config.sections import *  # noqa: F401,F403
 from tether.config.sections import PIPELINES
 from tether.config.support import REFUSED_SECTIONS
@@ -61,10 +61,10 @@ class RunConfig(Section):
     refused at load."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Checks that watch the run while it trains (``tether.pipeline.monitors``)."""
     teacher: TeacherConfig = TeacherConfig()
     """On-policy distillation from a teacher model (``tether.config.teacher``, ``tether.teacher``)."""
-    reward: RewardConfig = RewardConfig()
-    """The reward loop and the LLM judge of the rubrics (``tether.config.reward``, ``tether.reward``)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
@@ -91,7 +91,6 @@ class RunConfig(Section):
             **{"learner.batch_size": b, "policy_optimization.advantage.group_size": g},
         )
         self._algorithm_defaults()
-        check_reward(self)
         _name_secrets(self, "")
         return self
 

@@ -28,7 +28,7 @@ from tether.learner.learner import Learner
 from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
-from tether.pipeline.progress import Progress
+from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.validation import drop_validation_after, write_validation
@@ -81,7 +81,7 @@ def _truncate_jsonl(path: Path, last_step: int) -> list[str]:
 
 # Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.eval_tasks",
-                     "metrics.")
+                     "metrics.", "monitors.")
 
 
 def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -145,8 +145,7 @@ class Evaluator:
         self.own_engine = cfg.trainer.use_trainer_do_validate and cfg.rollout.mode != "sync"
         self.engine = local_engine(cfg, unsharded(learner.model)) if self.own_engine else rt.engine
         loop = rt.loop(greedy=True) if not self.own_engine else _greedy_loop(rt, self.engine)
-        self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
-                                   rewards=rt.rewards)
+        self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
 
     def __call__(self, step: int) -> tuple[dict[str, float], list]:
         if self.own_engine:
@@ -206,8 +205,13 @@ class Run:
         for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
             shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
         torch.manual_seed(cfg.trainer.seed)
-        rt = Runtime.build(cfg, model_dir)
-        closers: list[Callable[[], object]] = [rt.close]
+        closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
+        try:
+            rt = Runtime.build(cfg, model_dir)
+        except BaseException:
+            closers[0]()
+            raise
+        closers.append(rt.close)
         try:
             learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
             derived = cfg.derived()
@@ -234,8 +238,7 @@ class Run:
                                   timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
                                   reuse_policy=cfg.rollout.partial_rollout.reuse_policy,
                                   num_workers=worker.num_workers,
-                                  score=None if teacher is None else functools.partial(score_trajectory, teacher),
-                                  rewards=rt.rewards)
+                                  score=None if teacher is None else functools.partial(score_trajectory, teacher))
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
             closers.append(recorder.close)
