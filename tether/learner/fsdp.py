@@ -22,8 +22,9 @@ A rank is a process: ``torchrun --nproc-per-node N`` (or ``torch.multiprocessing
 sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_ranks`` reads them.
 
 **In a run** (``run_learner``, ``backend: local`` and the Ray backend's one trainer actor) the trainer is one
-process, so ``fsdp2`` shards over a group of one rank: the same code path, with FSDP's mixed precision and CPU
-offload (``gpu_smoke.sh``), whose multi-rank arithmetic ``tests/test_fsdp2.py`` checks. A run with several
+process, so ``fsdp2`` shards over a group of one rank: the code path whose multi-rank arithmetic
+``tests/test_fsdp2.py`` checks (``benchmarks/gpu_smoke.sh`` runs it on one GPU with bf16 compute through
+``shard_model(param_dtype=...)``; a run computes in the model's own dtype). A run with several
 trainer ranks needs its rollouts sent to every rank, which no backend does yet: ``run_learner`` refuses a
 ``WORLD_SIZE`` above 1. Checkpoints and the evaluation engine see whole weights (``unsharded``); the optimizer
 state is saved whole, keyed by parameter name (``optimizer_state`` / ``load_optimizer_state``).
