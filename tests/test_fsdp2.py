@@ -54,6 +54,9 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("one_trajectory_micro_batches", {"learner": {"gradient_accumulation_steps": 4}}),
     # π_prox from weights kept in CPU memory (DetachActorWorker restores this rank's shards)
     ("detach_worker", {"actor_worker": {"class": "DetachActorWorker"}}),
+    # a per-sequence aggregation (the denominator counts sequences) and two passes over the batch
+    ("seq_mean_two_epochs", {"learner": {"update_frequency": 2},
+                             "policy_optimization": {"loss_agg_mode": "seq_mean_token_mean"}}),
 ]
 STEPS = 2
 
