@@ -80,4 +80,4 @@ def test_eval_prints_pass_hat_k_per_domain(tiny_model, tmp_path):
     assert 0.0 <= metrics["eval/pass^2/mock"] <= metrics["eval/pass^1/mock"]
     text = CliRunner().invoke(app, args, catch_exceptions=False).output
     assert "mock: 3 tasks x 2 trials, average reward" in text  # num_eval_tasks: 3 of mock's tasks
-    assert "pass^1:" in text and "pass^2:" in text
+    assert "pass^1:" in text and "pass^2:" in text and "no-op passes: 0 of 0 passes" in text

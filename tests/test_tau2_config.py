@@ -65,6 +65,8 @@ def test_pass_hat_k_by_hand():
     assert groups == {"a": {1: 0.25, 2: 0.0}, "b": {1: 1.0, 2: 1.0}}
     text = report(["a", "b", "a"], [[True, False], [True, True], [False, False]], [[1, 0], [1, 1], [0, 0]])
     assert "a: 2 tasks x 2 trials, average reward 0.2500" in text and "  pass^2: 1.0000" in text
+    flagged = report(["a", "b"], [[True, False], [True, True]], [[1, 0], [1, 1]], [[True, False], [False, False]])
+    assert "  no-op passes: 1 of 1 passes" in flagged and "  no-op passes: 0 of 2 passes" in flagged
     with pytest.raises(ValueError):
         pass_hat_k(2, 1, 3)
 

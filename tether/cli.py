@@ -311,7 +311,8 @@ def eval_(
         Progress(0, enabled=True, console=Console()).eval_table(0, metrics, shown, trajs)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
-        typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task]))
+        typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task],
+                                [[t.hacking_flags.get("no_op_pass", 0) > 0 for t in ts] for ts in per_task]))
 
 
 @app.command()

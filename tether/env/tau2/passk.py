@@ -40,8 +40,11 @@ def by_group(groups: Sequence[str], outcomes: Sequence[Sequence[bool]]) -> dict[
     return {g: pass_hat_ks(o) for g, o in sorted(split.items())}
 
 
-def report(groups: Sequence[str], outcomes: Sequence[Sequence[bool]], rewards: Sequence[Sequence[float]]) -> str:
-    """tau2-style text: per group, its tasks × trials, the average reward and pass^1 .. pass^k."""
+def report(groups: Sequence[str], outcomes: Sequence[Sequence[bool]], rewards: Sequence[Sequence[float]],
+           no_op: Sequence[Sequence[bool]] | None = None) -> str:
+    """tau2-style text: per group, its tasks × trials, the average reward and pass^1 .. pass^k; with ``no_op`` (per
+    trial: flagged ``no_op_pass``), how many of the passes changed nothing (tau2's DB check passes doing nothing
+    on tasks whose gold actions write nothing)."""
     lines = []
     for name, ks in by_group(groups, outcomes).items():
         idx = [i for i, g in enumerate(groups) if g == name]
@@ -49,4 +52,7 @@ def report(groups: Sequence[str], outcomes: Sequence[Sequence[bool]], rewards: S
         trials = min(len(outcomes[i]) for i in idx)
         lines.append(f"{name}: {len(idx)} tasks x {trials} trials, average reward {sum(flat) / len(flat):.4f}")
         lines += [f"  pass^{k}: {v:.4f}" for k, v in ks.items()]
+        if no_op is not None:
+            passes = sum(map(bool, (o for i in idx for o in outcomes[i])))
+            lines.append(f"  no-op passes: {sum(map(bool, (f for i in idx for f in no_op[i])))} of {passes} passes")
     return "\n".join(lines)
