@@ -20,8 +20,15 @@ engine does), and back-propagate
                                               ``tether.teacher.objective``)
 
 where the loss, its aggregation and the off-policy correction w come from the config (``objective.py``): with a
-correction, π_prox is the policy at the start of the step (one forward without grad before the first update) and
-w = f(π_prox / π_behav) corrects for the engine's behaviour policy; without one, prox_logp = the behaviour logprobs.
+correction, π_prox is the policy at the start of the step and w = f(π_prox / π_behav) corrects for the engine's
+behaviour policy; without one, prox_logp = the behaviour logprobs. π_prox of the first mini-batch is the detached
+logp of its own first forward (the weights have not moved yet: the demo's one update per step needs no extra pass);
+the other mini-batches are scored by one forward without grad before the first update. With several passes
+(``update_frequency`` > 1) or dropout in the model, every mini-batch is scored first.
+
+Logits are formed only where the loss reads them (``token_logits``): at the positions that predict a model-sampled
+token (loss mask 1), through the backbone's hidden states and the LM head. Prompt, tool and user tokens still go
+through the layers (they are the context) but never through the [·, V] head, its log-softmax or their backward.
 
 where every ``agg`` divides by the *whole mini-batch's* denominator (``tether.algo.loss_denominator`` summed over
 its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch.
@@ -63,6 +70,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from tether.algo import (
     PolicyLossFn,
@@ -129,6 +137,8 @@ class Learner:
             self.ref_model.requires_grad_(False).eval()
         self.optimizer = PolicyOptimizer.from_config(model.parameters(), po.optimizer)
         self.pad_id = _pad_id(model)
+        # π_prox from the first update's own forward (one fewer pass) when that forward is the eval one
+        self.prox_from_forward = _no_dropout(model)
         self.version = 0  # trainer steps completed
         self.ranks = Ranks()  # one process; tether.learner.fsdp.sharded_learner sets this rank's place among several
         # actor_worker.class: DetachActorWorker keeps π_prox at the last sync's weights (tether.learner.detach);
@@ -179,18 +189,23 @@ class Learner:
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
         if self.distill is not None:  # the teacher's scores as batch tensors, before any split
             self.distill.attach(batch, trajectories)
+        minis = batch.split(-(-batch.num_trajectories // self.mini_batch_size))  # rows = segments; split by trajectory
+        # π_prox of the first mini-batch is its own first forward (the weights have not moved yet); only the
+        # others, when there are any, need a scoring pass before the first update.
+        fresh_first = (self.objective.needs_prox and self.prox_from_forward and self.epochs == 1
+                       and self.worker.name == "ActorWorker")  # DetachActorWorker scores under the sync's weights
         if self.objective.needs_prox:
-            with self.worker.prox_weights(self.version):
-                batch.prox_logp = self._score(batch, device)
+            with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
+                batch.prox_logp = self._score(batch, device, skip=len(minis[0]) if fresh_first else 0)
+            minis = batch.split(len(minis))  # the mini-batches again, now holding π_prox
         norm_len = self.norm_len  # a constant of the config, never of this batch's lengths
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
-        minis = batch.split(-(-batch.num_trajectories // self.mini_batch_size))  # rows = segments; split by trajectory
         updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
-        for mini in updates:
-            kl = self._update(mini, device, norm_len, acc)
+        for k, mini in enumerate(updates):
+            kl = self._update(mini, device, norm_len, acc, prox_from_forward=fresh_first and k == 0)
             if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
                 stopped = True  # the max-KL guard: skip the step's remaining updates
                 break
@@ -210,24 +225,28 @@ class Learner:
             record_metric(name, value, reduce="last" if name in _LAST else "mean")
         return metrics
 
-    def _score(self, batch: TrainBatch, device: torch.device) -> torch.Tensor:
-        """log π(token t) under the current weights, [B, T] laid out as ``old_logp`` (0 where the mask is 0)."""
+    def _score(self, batch: TrainBatch, device: torch.device, skip: int = 0) -> torch.Tensor:
+        """log π(token t) under the current weights, [B, T] laid out as ``old_logp`` (0 where the mask is 0), for
+        rows ``skip:`` (the first ``skip`` rows stay 0: their π_prox comes from their first update's forward)."""
         out = torch.zeros_like(batch.old_logp)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            for start in range(0, len(batch), self.micro_batch_size):
+            for start in range(skip, len(batch), self.micro_batch_size):
                 mb = batch.slice(start, min(start + self.micro_batch_size, len(batch))).to(device)
-                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-                logp = logprobs_from_logits(logits[:, :-1], mb.input_ids[:, 1:], self.temperature)  # [b, t-1]
-                out[start:start + len(mb), 1:mb.input_ids.shape[1]] = logp.float().cpu() * mb.loss_mask[:, 1:].cpu()
+                sel = mb.loss_mask[:, 1:] > 0  # [b, t-1]
+                logits = token_logits(self.model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
+                logp = _scatter(logprobs_from_logits(logits[None], mb.input_ids[:, 1:][sel][None],
+                                                     self.temperature)[0], sel)  # [b, t-1]
+                out[start:start + len(mb), 1:mb.input_ids.shape[1]] = logp.float().cpu()
         self.model.train(was_training)
         return out
 
     def _update(self, mini: TrainBatch, device: torch.device, norm_len: int,
-                acc: dict[str, list[tuple[float, float]]]) -> float | None:
+                acc: dict[str, list[tuple[float, float]]], prox_from_forward: bool = False) -> float | None:
         """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
-        reference that it measured, None when KL is off or the update was skipped."""
+        reference that it measured, None when KL is off or the update was skipped. ``prox_from_forward``: the
+        weights are those of the step's start, so π_prox is this forward's own logp (detached)."""
         micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, mini.num_trajectories))]
         # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
         denom = cast(torch.Tensor, sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros))
@@ -236,7 +255,7 @@ class Learner:
         tok: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for mb in micros:
             mine, weight = self.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
-            loss, tok_metrics = self._micro_loss(mine, denom, norm_len)
+            loss, tok_metrics = self._micro_loss(mine, denom, norm_len, prox_from_forward)
             (loss if weight == 1.0 else loss * weight).backward()
             total += loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight
@@ -254,16 +273,19 @@ class Learner:
             acc["optim/grad_norm"].append((result.grad_norm, 1.0))
         return _weighted_mean(kl) if kl and result.applied else None  # a skipped update moved nothing
 
-    def _micro_loss(self, mb: TrainBatch, denom: torch.Tensor,
-                    norm_len: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_loss(self, mb: TrainBatch, denom: torch.Tensor, norm_len: int,
+                    prox_from_forward: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the mini-batch loss, and its per-token metrics."""
         ids = mb.input_ids[:, 1:]  # [b, T-1] targets: logits at t-1 predict token t
         mask = mb.loss_mask[:, 1:]  # [b, T-1]
+        sel = mask > 0  # [b, T-1] the positions the loss reads; logits are computed there only
         behav_logp = mb.old_logp[:, 1:]  # [b, T-1] the engine's
-        prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else behav_logp  # [b, T-1]
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        logits = logits[:, :-1]  # [b, T-1, V]
-        logp = logprobs_from_logits(logits, ids, self.temperature)  # [b, T-1]
+        logits = token_logits(self.model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
+        logp = _scatter(logprobs_from_logits(logits[None], ids[sel][None], self.temperature)[0], sel)  # [b, T-1]
+        if prox_from_forward:
+            prox_logp = logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
+        else:
+            prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else behav_logp  # [b, T-1]
         agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=denom,
                                    norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
 
@@ -273,12 +295,11 @@ class Learner:
         metrics = {f"optim/{k}": m_pg[k] for k in _LOSS_METRICS if k in m_pg}
         metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
         if self.distill is not None:  # + coef · distillation, or it alone (teacher.rl_loss: false)
-            sel = mask > 0  # [b, T-1] the loss positions
-            loss, m_teacher = self.distill.combine(loss, logits[sel], sel, logp, mb, self.temperature, agg)
+            loss, m_teacher = self.distill.combine(loss, logits, sel, logp, mb, self.temperature, agg)
             metrics.update(m_teacher)
 
         with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits, self.temperature)  # [b, T-1]
+            entropy = _scatter(entropy_from_logits(logits[None], self.temperature)[0], sel)  # [b, T-1]
         ent_term, m_ent = entropy_bonus(entropy, mask, coef=self.entropy_coef, **agg)
         metrics["optim/entropy"] = m_ent["entropy"]
         if self.entropy_coef > 0:
@@ -286,9 +307,9 @@ class Learner:
 
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                            use_cache=False).logits[:, :-1]
-                ref_logp = logprobs_from_logits(ref_logits, ids, self.temperature)  # [b, T-1]
+                ref_logits = token_logits(self.ref_model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
+                ref_logp = _scatter(logprobs_from_logits(ref_logits[None], ids[sel][None], self.temperature)[0],
+                                    sel)  # [b, T-1]
             kl_term, m_kl = kl_penalty(logp, ref_logp, mask, coef=self.kl_coef, kind=self.kl_estimator, **agg)
             loss = loss + kl_term
             metrics["optim/kl_divergence"] = m_kl["kl"]
@@ -299,6 +320,38 @@ class Learner:
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
         return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
+
+
+def token_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sel: torch.Tensor) -> torch.Tensor:
+    """The logits that predict ``input_ids[:, 1:][sel]``, [n, V]: the backbone's hidden states at the selected
+    positions through the LM head. The loss reads only the model-sampled tokens, so the [b, T, V] logits of the
+    prompt and tool tokens (and their log-softmax, entropy and backward), most of a forward's work at a small
+    model's vocabulary, are never formed. Models whose head does more than a linear map (logit soft-capping or
+    scaling) take the plain path: full logits, then the same positions."""
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    plain_head = not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+    sharded = isinstance(model, FSDPModule)  # FSDP2 gathers the root's weights (embeddings, head) in its forward only
+    if backbone is None or backbone is model or not isinstance(head, torch.nn.Linear) or not plain_head or sharded:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return logits[:, :-1][sel]
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return head(hidden[:, :-1][sel])  # [n, V]
+
+
+def _scatter(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``values`` [n] laid out at the True positions of ``sel`` [b, L], 0 elsewhere (differentiable)."""
+    return values.new_zeros(sel.shape).masked_scatter(sel, values)
+
+
+def _no_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward computes what an eval-mode one does (no dropout anywhere)."""
+    config = getattr(model, "config", None)
+    if any(float(getattr(config, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout")):
+        return False
+    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _pad_id(model: torch.nn.Module) -> int:

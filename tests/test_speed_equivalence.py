@@ -1,0 +1,117 @@
+"""Issue 12's speed-ups change no result: each fast path against the slow one it replaced, on the same inputs.
+
+- the learner forms logits only at the loss positions (``token_logits``) — vs the full [b, T, V] logits;
+- π_prox of the first mini-batch comes from its own first forward — vs a separate scoring pass;
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from test_learner import advantages, make_cfg, make_trajectories
+from tether.learner import learner as learner_module
+from tether.learner.learner import Learner, token_logits
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):  # test_learner's model
+    from tether.learner import build_tiny, load_model_and_tokenizer
+
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), num_hidden_layers=2, hidden_size=64,
+                      intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    return load_model_and_tokenizer(path)[0]
+
+
+def stale_behaviour(trajs, shift=0.15, seed=0):
+    """Behaviour logprobs that differ from the learner's (as after a weight sync lag), so that the correction's
+    weights and the clip act."""
+    g = torch.Generator().manual_seed(seed)
+    for t in trajs:
+        t.logprobs = [lp + shift * float(torch.randn((), generator=g)) if m else 0.0
+                      for lp, m in zip(t.logprobs, t.response_mask)]
+    return trajs
+
+
+def one_step(model, cfg, trajs, **attrs):
+    learner = Learner(copy.deepcopy(model), None, cfg)
+    for k, v in attrs.items():
+        setattr(learner, k, v)
+    metrics = learner.train_step(copy.deepcopy(trajs), advantages(len(trajs)))
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics
+
+
+def assert_same(a, b, atol=1e-6):
+    params_a, metrics_a = a
+    params_b, metrics_b = b
+    for name in params_a:
+        torch.testing.assert_close(params_a[name], params_b[name], atol=atol, rtol=0, msg=name)
+    for key in ("optim/loss", "optim/entropy", "optim/kl_divergence", "optim/is_ratio_mean",
+                "optim/is_masked_fraction", "optim/clip_ratio_low", "optim/clip_ratio_high"):
+        if key in metrics_a:
+            assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-6), key
+
+
+def test_token_logits_are_the_full_logits_at_the_selected_positions(base_model):
+    ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 8:] = 0  # right padding
+    sel = torch.zeros(3, 10, dtype=torch.bool)
+    sel[0, 2:6] = sel[1, 5:7] = sel[2, 9] = True  # 7 positions
+    fast = token_logits(base_model, ids, mask, sel)
+    full = base_model(input_ids=ids, attention_mask=mask).logits[:, :-1][sel]
+    assert fast.shape == (7, 512)
+    torch.testing.assert_close(fast, full, atol=1e-5, rtol=0)
+
+
+def full_logits(model, input_ids, attention_mask, sel):  # the path before issue 12: every position's logits
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1][sel]
+
+
+@pytest.mark.parametrize("correction", ["none", "double_sided_importance_sampling"])
+def test_learner_step_equals_the_full_logits_step(base_model, monkeypatch, correction):
+    trajs = stale_behaviour(make_trajectories(8, seed=3))
+    cfg = make_cfg(accum=2, correction=correction, tis=True, entropy_coef=0.01)
+    fast = one_step(base_model, cfg, trajs)
+    monkeypatch.setattr(learner_module, "token_logits", full_logits)
+    slow = one_step(base_model, cfg, trajs)
+    assert_same(fast, slow)
+    assert fast[1]["optim/kl_divergence"] == 0.0  # policy = reference before the update
+
+
+@pytest.mark.parametrize("mini", [8, 4])
+def test_prox_from_the_first_forward_equals_a_scoring_pass(base_model, mini):
+    # mini = 8: one update, no scoring pass at all; mini = 4: the second mini-batch is still scored
+    trajs = stale_behaviour(make_trajectories(8, seed=4), shift=0.3)
+    cfg = make_cfg(mini=mini, accum=2, correction="double_sided_importance_sampling", tis=True)
+    scored = []
+    fast = one_step(base_model, cfg, trajs)
+    learner = Learner(copy.deepcopy(base_model), None, cfg)
+    learner.prox_from_forward = False
+    score = learner._score
+    learner._score = lambda batch, device, skip=0: scored.append(skip) or score(batch, device, skip)
+    metrics = learner.train_step(copy.deepcopy(trajs), advantages(8))
+    slow = ({n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics)
+    assert scored == [0]  # the slow path scored every row
+    assert_same(fast, slow)
+    assert fast[1]["optim/is_masked_fraction"] > 0  # the stale behaviour made the band act
+
+
+def test_prox_pass_is_skipped_only_when_it_is_redundant(base_model):
+    skips = {}
+    cases = {"one update": dict(mini=8), "two updates": dict(mini=4), "two epochs": dict(epochs=2)}
+    for label, kwargs in cases.items():
+        learner = Learner(copy.deepcopy(base_model), None,
+                          make_cfg(correction="double_sided_importance_sampling", tis=True, **kwargs))
+        score, seen = learner._score, []
+        learner._score = lambda batch, device, skip=0, score=score, seen=seen: seen.append(skip) or score(
+            batch, device, skip)
+        learner.train_step(make_trajectories(8), advantages(8))
+        skips[label] = seen
+    # one update: the first mini-batch's rows (all 8) come from its forward; two updates: the second mini-batch
+    # (rows 4:8) is scored; two epochs: the second pass needs π_prox of the start, so every row is scored
+    assert skips == {"one update": [8], "two updates": [4], "two epochs": [0]}
