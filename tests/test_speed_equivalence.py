@@ -2,6 +2,7 @@
 
 - the learner forms logits only at the loss positions (``token_logits``) — vs the full [b, T, V] logits;
 - π_prox of the first mini-batch comes from its own first forward — vs a separate scoring pass;
+- chat-template renderings are cached per tokenizer — vs rendering every time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from test_learner import advantages, make_cfg, make_trajectories
+from tether.agent import chat
 from tether.learner import learner as learner_module
 from tether.learner.learner import Learner, token_logits
 
@@ -115,3 +117,37 @@ def test_prox_pass_is_skipped_only_when_it_is_redundant(base_model):
     # one update: the first mini-batch's rows (all 8) come from its forward; two updates: the second mini-batch
     # (rows 4:8) is scored; two epochs: the second pass needs π_prox of the start, so every row is scored
     assert skips == {"one update": [8], "two updates": [4], "two epochs": [0]}
+
+
+def test_render_cache_returns_what_the_template_renders(tmp_path):
+    from tether.learner import build_tiny, load_model_and_tokenizer
+
+    _, tok = load_model_and_tokenizer(build_tiny(tmp_path / "tiny", num_hidden_layers=1, hidden_size=32,
+                                                 intermediate_size=64, num_attention_heads=2,
+                                                 num_key_value_heads=1, vocab_size=512))
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find",
+                                               "parameters": {"properties": {"q": {"type": "string"}}}}}]
+    convs = [[{"role": "system", "content": "s"}, {"role": "user", "content": "hello"}],
+             [{"role": "system", "content": "s"}, {"role": "user", "content": "hello!"}],
+             [{"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}]]
+    calls = []
+    apply = tok.apply_chat_template
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return apply(*args, **kwargs)
+
+    tok.apply_chat_template = counting
+    for messages in convs:
+        for agp in (True, False):
+            first = chat.render_ids(tok, messages, tools, add_generation_prompt=agp)
+            n = len(calls)
+            again = chat.render_ids(tok, messages, tools, add_generation_prompt=agp)
+            assert len(calls) == n  # the second rendering came from the cache
+            expected = list(apply(messages, tools=tools, add_generation_prompt=agp, tokenize=True, return_dict=False))
+            assert first == again == expected
+            again.append(-1)  # a caller's copy: the cache is not changed through it
+            assert chat.render_ids(tok, messages, tools, add_generation_prompt=agp) == expected
+    assert len(calls) == 6  # one rendering per distinct (messages, tools, flag)
+    assert chat.render_ids(tok, convs[0], None, add_generation_prompt=True) != chat.render_ids(
+        tok, convs[0], tools, add_generation_prompt=True)  # tools are part of the key

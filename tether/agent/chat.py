@@ -21,6 +21,9 @@ other listed ``observation_fields`` (``environment.state.observation_fields``).
 from __future__ import annotations
 
 import json
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,16 +35,58 @@ _ANCHOR_SYSTEM = {"role": "system", "content": "s"}
 _ANCHOR_USER = {"role": "user", "content": "u"}
 
 
+_RENDER_CACHE_SIZE = 4096  # renderings kept per tokenizer (a few hundred bytes each)
+_render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_render_lock = threading.Lock()
+
+
 def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, *,
                add_generation_prompt: bool) -> list[int]:
-    """Token ids of the chat template applied to ``messages``."""
+    """Token ids of the chat template applied to ``messages``.
+
+    Cached per tokenizer, keyed by the messages, tools and flag as JSON: the episodes of a group share their
+    opening prompt, every suffix is cut from the same anchor rendering, and tool results repeat, so most
+    renderings of a step were rendered before. A rendering is a pure function of those inputs and the
+    tokenizer, so a cached one is the one the template would give (``tests/test_speed_equivalence.py``).
+    """
+    key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True, default=repr)
+    with _render_lock:
+        cache = _render_caches.get(tokenizer)
+        if cache is None:
+            cache = _render_caches[tokenizer] = OrderedDict()
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+            return list(hit)
     out = tokenizer.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
         return_dict=False,
     )
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in some versions
         out = out["input_ids"]
-    return list(out)
+    ids = tuple(out)
+    with _render_lock:
+        cache[key] = ids
+        if len(cache) > _RENDER_CACHE_SIZE:
+            cache.popitem(last=False)
+    return list(ids)
+
+
+def _end_of_turn_id(tokenizer: Any) -> int | None:
+    """``<|im_end|>``'s id if the vocabulary has it, else the eos id (looked up once per tokenizer: ``get_vocab``
+    builds a dict of the whole vocabulary)."""
+    with _render_lock:
+        cached = _eot_ids.get(tokenizer)
+    if cached is not None:
+        return cached[0]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    found = eos if eos is not None else tokenizer.eos_token_id
+    with _render_lock:
+        _eot_ids[tokenizer] = (found,)
+    return found
+
+
+_eot_ids: weakref.WeakKeyDictionary[Any, tuple[int | None]] = weakref.WeakKeyDictionary()
 
 
 def observation_text(obs: dict[str, Any]) -> str:
@@ -94,10 +139,10 @@ class ChatAssembler:
     def __init__(self, tokenizer: Any, tools: list[dict] | None):
         self.tokenizer = tokenizer
         self.tools = tools or None
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-        self.end_of_turn_id: int = eos if eos is not None else tokenizer.eos_token_id
-        if self.end_of_turn_id is None:
+        eot = _end_of_turn_id(tokenizer)
+        if eot is None:
             raise ValueError("the tokenizer has neither <|im_end|> nor an eos token; cannot delimit turns")
+        self.end_of_turn_id: int = eot
 
     def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return render_ids(self.tokenizer, messages, self.tools, add_generation_prompt=True)
