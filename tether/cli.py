@@ -289,7 +289,7 @@ def eval_(
     try:
         eval_tasks = rt.tasks("eval")[:tasks]
         rollouter = Rollouter(rt.loop(greedy=trials == 1), rt.make_env,
-                              max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+                              max_concurrent=cfg.rollout.worker.max_concurrent_tasks, rewards=rt.rewards)
         if trials == 1:
             metrics, trajs = asyncio.run(evaluate(rollouter, eval_tasks, seed=cfg.trainer.seed))
             per_task = [[t] for t in trajs]

@@ -25,6 +25,7 @@ from tether.engine.base import InferenceEngine, SamplingParams
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
 from tether.env.plugin.registry import resolve as resolve_environment
+from tether.reward.loop import RewardLoop
 from tether.types import Task
 
 if TYPE_CHECKING:
@@ -178,6 +179,7 @@ class Runtime:
     make_env: Callable[[], Env]
     tasks: Callable[[str], list[Task]]
     window: int | None = None  # the context window the model can hold (``context_window``)
+    rewards: RewardLoop | None = None  # scores the rubrics when an LLM judge does (``tether.reward``)
 
     @classmethod
     def build(cls, cfg: RunConfig, model_dir: str | None = None) -> Runtime:
@@ -187,7 +189,8 @@ class Runtime:
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window)
+        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window,
+                   RewardLoop.from_config(cfg))
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
         return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)

@@ -106,6 +106,7 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     continuations: list[Segment] = field(default_factory=list)  # segments after the first, in order
+    pending_judge: Any = None  # rubrics left to the reward loop's judge (tether.env.verifier.PendingRubrics)
     teacher: list[TeacherScores] | None = None  # one per segment, when a teacher scored the episode
 
     @property

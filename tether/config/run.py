@@ -15,6 +15,7 @@ from tether.config.base import _SECRET_NAME, _check  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403
 from tether.config.monitors import MonitorsConfig
 from tether.config.policy import *  # noqa: F401,F403
+from tether.config.reward import RewardConfig, check_reward
 from tether.config.sections import *  # noqa: F401,F403
 from tether.config.sections import PIPELINES
 from tether.config.support import REFUSED_SECTIONS
@@ -61,6 +62,8 @@ class RunConfig(Section):
     refused at load."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
+    reward: RewardConfig = RewardConfig()
+    """The reward loop and the LLM judge of the rubrics (``tether.config.reward``, ``tether.reward``)."""
     monitors: MonitorsConfig = MonitorsConfig()
     """Checks that watch the run while it trains (``tether.pipeline.monitors``)."""
     teacher: TeacherConfig = TeacherConfig()
@@ -91,6 +94,7 @@ class RunConfig(Section):
             **{"learner.batch_size": b, "policy_optimization.advantage.group_size": g},
         )
         self._algorithm_defaults()
+        check_reward(self)
         _name_secrets(self, "")
         return self
 

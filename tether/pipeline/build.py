@@ -145,7 +145,8 @@ class Evaluator:
         self.own_engine = cfg.trainer.use_trainer_do_validate and cfg.rollout.mode != "sync"
         self.engine = local_engine(cfg, unsharded(learner.model)) if self.own_engine else rt.engine
         loop = rt.loop(greedy=True) if not self.own_engine else _greedy_loop(rt, self.engine)
-        self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks)
+        self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
+                                   rewards=rt.rewards)
 
     def __call__(self, step: int) -> tuple[dict[str, float], list]:
         if self.own_engine:
@@ -238,7 +239,8 @@ class Run:
                                   timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
                                   reuse_policy=cfg.rollout.partial_rollout.reuse_policy,
                                   num_workers=worker.num_workers,
-                                  score=None if teacher is None else functools.partial(score_trajectory, teacher))
+                                  score=None if teacher is None else functools.partial(score_trajectory, teacher),
+                                  rewards=rt.rewards)
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
             closers.append(recorder.close)

@@ -15,6 +15,9 @@ once as ``rollout/episode_failures/<cause>`` (``timeout``, ``env``, ``verifier``
 A group keeps the episodes that finished (a failed one has no reward to compare with: it is not trained on
 as a zero), so one broken episode never stops the run. Only when *every* episode of a ``group`` (or of a
 ``groups`` call) failed is ``RolloutError`` raised: then the failure is systematic, not the episode's.
+**Rewards by a judge** (``verifier.judge: llm``): the episode's rubrics are scored by the reward loop
+(``rewards``, ``tether.reward``) as soon as the episode ends, while the other episodes keep generating;
+``GroupProducer`` settles a judge failure by ``reward.on_judge_failure``, ``groups`` by the rule checks alone.
 Evaluation asks for ``keep_failed``: a failed episode stays in its place as an unsuccessful trajectory whose
 ``termination`` is ``failed:<cause>``.
 """
@@ -31,6 +34,7 @@ from tether.agent.loop import AgentLoopBase
 from tether.env.base import Env
 from tether.metrics import record_metric
 from tether.pipeline.staleness import mask_older_segments
+from tether.reward.loop import RewardLoop
 from tether.types import Group, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -135,7 +139,8 @@ def failed_trajectory(task: Task, error: RolloutError) -> Trajectory:
 class Rollouter:
     def __init__(self, agent_loop: AgentLoopBase, make_env: Callable[[], Env], *, max_concurrent: int = 128,
                  timeout_s: float | None = None, retries: int = 0, reuse_policy: str = "all",
-                 num_workers: int | None = None, score: Callable[[Trajectory], Awaitable[None]] | None = None):
+                 num_workers: int | None = None, score: Callable[[Trajectory], Awaitable[None]] | None = None,
+                 rewards: RewardLoop | None = None):
         self.agent_loop = agent_loop
         self.make_env = make_env
         self.max_concurrent = max_concurrent
@@ -146,6 +151,7 @@ class Rollouter:
         self.reuse_policy = reuse_policy  # rollout.partial_rollout.reuse_policy
         self.workers = WorkerPool(num_workers) if num_workers else None  # None = no bound
         self.score = score  # the teacher loop: scores each finished episode (``tether.teacher.scorer``)
+        self.rewards = rewards  # the reward loop: the judge's rubrics of each finished episode (``tether.reward``)
 
     async def rollout(self, task: Task, seed: int) -> Trajectory:
         """One episode; a timeout or an exception is retried ``retries`` times, then raised as RolloutError
@@ -205,11 +211,20 @@ class Rollouter:
                 return RolloutError(f"task {task.id}: the teacher could not score the episode: {e}", "teacher")
         return traj
 
+    async def _rewarded(self, result: Trajectory | RolloutError) -> Trajectory | RolloutError:
+        """The episode, its rubrics scored by the reward loop when one is set (a judge failure is recorded on the
+        trajectory, never raised)."""
+        if self.rewards is not None and isinstance(result, Trajectory):
+            await self.rewards.score(result)
+        return result
+
     async def group(self, task: Task, group_size: int, seed: int) -> Group:
         """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work); the
         episodes that failed are left out, and RolloutError is raised only when all of them failed."""
-        attempts = (self._attempt(task, episode_seed(seed, task.id, i)) for i in range(group_size))
-        results = await asyncio.gather(*attempts)
+        async def one(i: int) -> Trajectory | RolloutError:
+            return await self._rewarded(await self._attempt(task, episode_seed(seed, task.id, i)))
+
+        results = await asyncio.gather(*(one(i) for i in range(group_size)))
         return Group(task.id, _survivors(task, results))
 
     async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int, *,
@@ -223,9 +238,15 @@ class Rollouter:
 
         async def one(task: Task, i: int) -> Trajectory | RolloutError:
             async with sem:
-                return await self._attempt(task, episode_seed(seed, task.id, i))
+                attempt = await self._attempt(task, episode_seed(seed, task.id, i))
+            return await self._rewarded(attempt)  # judged outside the slot: the next episode starts now
 
         results = await asyncio.gather(*(one(t, i) for t, n in zip(tasks, sizes) for i in range(n)))
+        if self.rewards is not None:  # no trainer to drop a group for: a judge failure leaves the rule checks
+            for k in range(len(tasks)):
+                start = sum(sizes[:k])
+                self.rewards.settle([r for r in results[start:start + sizes[k]] if isinstance(r, Trajectory)],
+                                    "rule_only")
         errors = [r for r in results if isinstance(r, RolloutError)]
         if results and len(errors) == len(results):
             raise RolloutError(f"every episode of {len(tasks)} tasks failed; the first: {errors[0]}", errors[0].cause)

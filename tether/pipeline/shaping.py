@@ -2,7 +2,9 @@
 
 A group is produced in one place, the same way in every ``rollout.mode`` (``GroupProducer.produce``):
 
-1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task).
+1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task). With an LLM judge their rubric
+   scores come from the reward loop (``tether.reward``) and a judge failure in the group is settled by
+   ``reward.on_judge_failure``: drop_group delivers the group marked ``dropped`` (not resampled, not trained).
 2. **Diversity bonus** (``exploration.diversity_bonus``): each successful trajectory gets coef / (successful
    trajectories of its group with the same strategy) added to its reward, so a group that solved the task
    in k distinct ways earns k·coef between them (``tether.algo.diversity``: the strategy is the sequence of
@@ -105,21 +107,29 @@ class GroupProducer:
     def _shape(self, group: Group) -> dict[str, float]:
         return add_diversity_bonus([group], self.bonus_coef) if self.bonus_coef > 0 else {}
 
+    async def _rollouts(self, task: Task, size: int, seed: int) -> tuple[Group, bool]:
+        """The group, its rewards settled by the reward loop when a judge scores rubrics (``tether.reward``): True
+        when a judge failure drops it (``reward.on_judge_failure: drop_group``)."""
+        group = await self.rollouter.group(task, size, seed)
+        rewards = getattr(self.rollouter, "rewards", None)  # a rollouter without a reward loop: rewards are final
+        return group, rewards is not None and rewards.settle(group.trajectories)
+
     async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
-        group = await self.rollouter.group(task, size, step_seed(self.seed, step))
+        group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step))
         out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
         out.first_degenerate = degenerate = self._degenerate(group)
         out.first_rewards = list(group.rewards)
         out.any_success = any(t.success for t in group.trajectories)
-        while degenerate and self.filter and resample_or_drop(out.resampled, self.attempts) == "resample":
+        while (degenerate and self.filter and not judge_dropped
+               and resample_or_drop(out.resampled, self.attempts) == "resample"):
             out.resampled += 1
             seed = episode_seed(self.seed, f"resample:{step}:{index}", out.resampled)
-            group = await self.rollouter.group(task, size, seed)
+            group, judge_dropped = await self._rollouts(task, size, seed)
             out.group, out.bonus = group, self._shape(group)
             out.resampled_trajectories += size
             out.any_success |= any(t.success for t in group.trajectories)
             degenerate = self._degenerate(group)
-        out.dropped = degenerate and self.filter
+        out.dropped = (degenerate and self.filter) or judge_dropped
         return out
 
 

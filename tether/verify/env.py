@@ -301,7 +301,7 @@ def run_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[
 
     rt = Runtime.build(cfg)
     try:
-        groups = asyncio.run(Rollouter(rt.loop(), rt.make_env).groups(rt.tasks("eval")[:num_tasks],
+        groups = asyncio.run(Rollouter(rt.loop(), rt.make_env, rewards=rt.rewards).groups(rt.tasks("eval")[:num_tasks],
                                                                       group_size=group_size, seed=0, keep_failed=True))
     finally:
         rt.close()
