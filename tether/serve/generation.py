@@ -232,11 +232,18 @@ class Generator:
         own = logp.gather(1, target[:, None])  # [P-1, 1]
         ranks = ((logp > own).sum(-1) + 1).tolist()  # [P-1]
         values, index = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else (logp[:, :0], target[:, None][:, :0])
+        texts: dict[int, str] = {}  # one decode per distinct id (decoding dominated the time)
+
+        def text(i: int) -> str:
+            if i not in texts:
+                texts[i] = self.token_text(i)
+            return texts[i]
+
         out: list[dict[str, dict[str, Any]] | None] = [None]
         for t, (tok, lp, rank) in enumerate(zip(prompt[1:], own[:, 0].tolist(), ranks)):
-            entry = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self.token_text(i)}
+            entry = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": text(i)}
                      for r, (i, v) in enumerate(zip(index[t].tolist(), values[t].tolist()))}
-            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": self.token_text(tok)}
+            entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": text(tok)}
             out.append(entry)
         return out
 
