@@ -50,13 +50,12 @@ def test_fully_async_seed_alone_resolves_to_fully_async():
     assert (data["trainer"]["class"], data["rollouter"]["class"]) == ("FullyAsyncTrainer", "FullyAsyncRollouter")
 
 
-def test_seed_with_unbuilt_feature_exits_2_naming_the_keys():
+def test_separation_seed_loads_with_its_pools():
+    """Its resource_pool keys are the Ray backend's (tether.config.cluster), its actor_worker the trainer's."""
     result = runner.invoke(app, ["config", str(SEEDS[5])])
-    assert SEEDS[5].name == "separation_config.yaml" and result.exit_code == 2
-    for key in ("resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus"):
-        assert f"`{key}`" in result.stderr
-    assert "not supported yet" in result.stderr and "Ray backend" in result.stderr
-    assert result.stdout == "" and "Traceback" not in result.output
+    assert SEEDS[5].name == "separation_config.yaml" and result.exit_code == 0, result.output
+    pools = yaml.safe_load(result.stdout)["resource_pool"]
+    assert pools["trainer_pool"]["num_gpus"] == pools["rollout_pool"]["num_gpus"] == 8
 
 
 def test_bad_file_exits_2_with_key_path_and_no_traceback(tmp_path):

@@ -32,9 +32,8 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 # (--set override, the key the message names, the words that say what is missing)
 REFUSED = [
-    ("resource_pool.trainer_pool.num_gpus=0", "`resource_pool.trainer_pool.num_gpus` (--set)", "Ray backend"),
     ("actor_worker.strategy=megatron", "`actor_worker.strategy` = 'megatron' (--set)", "FSDP2 only"),
-    ("backend=ray", "`backend` = 'ray' (--set)", "Ray backend is not built"),
+    ("ray.weight_transfer=nccl", "`ray.weight_transfer` = 'nccl' (--set)", "NCCL broadcast of weights is not built"),
 ]
 
 
@@ -51,11 +50,11 @@ def test_every_unsupported_entry_is_exercised():
 
 
 def test_refusal_names_the_file_that_set_the_key(tmp_path):
-    path = write(tmp_path, "pools.yaml", "resource_pool:\n  rollout_pool: {num_gpus: 2}\nbackend: ray\n")
+    path = write(tmp_path, "cluster.yaml", "actor_worker: {strategy: megatron}\nray: {weight_transfer: nccl}\n")
     message = str(pytest.raises(ConfigError, load_config, [path]).value)
     assert message.startswith("2 errors in config:")
-    assert f"`resource_pool.rollout_pool.num_gpus` ({path})" in message
-    assert f"`backend` = 'ray' ({path})" in message
+    assert f"`actor_worker.strategy` = 'megatron' ({path})" in message
+    assert f"`ray.weight_transfer` = 'nccl' ({path})" in message
 
 
 def test_defaults_and_the_supported_values_are_not_refused(tmp_path):

@@ -490,9 +490,9 @@ KEY_TESTS.update({
     # the OpenAI-compatible client: each key flipped, the request (server, key, model) changes
     **{k: "tests/test_llm_client.py::test_llm_client_section_base_url_api_key_and_model_decide_the_request"
        for k in ("llm_client.base_url", "llm_client.api_key", "llm_client.model")},
-    # refused until the Ray backend exists
-    **{k: "tests/test_config.py::test_each_seed_file_loads_or_names_its_unbuilt_keys" for k in (
-        "resource_pool.trainer_pool.num_gpus", "resource_pool.rollout_pool.num_gpus")},
+    # the Ray backend's pools: a pool the cluster cannot hold fails at start naming the key
+    **{f"resource_pool.{p}.num_gpus": "tests/test_ray_backend.py::test_a_pool_too_large_fails_at_start_before_any_actor"
+       for p in ("trainer_pool", "rollout_pool")},
     # the trainer's worker (tests/test_detach_worker.py, tests/test_fsdp2.py)
     "actor_worker.class": "tests/test_detach_worker.py::test_flipping_the_class_changes_a_run_inside_a_sync_window",
     "actor_worker.strategy": "tests/test_fsdp2.py::test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes",

@@ -139,13 +139,16 @@ def train(
     checkpoint (resume with --resume)."""
     import time
 
+    from tether.distributed.ray_backend import TrainerActorFailed, train_on_ray
+    from tether.distributed.remote import RolloutActorLost
     from tether.learner.checkpoint import latest_checkpoint
     from tether.pipeline.monitors import MonitorStop
     from tether.pipeline.preemption import Preempted
     from tether.pipeline.rollouter import RolloutError
-    from tether.pipeline.trainer import train as run_training
+    from tether.pipeline.trainer import train
 
     cfg = load_or_exit(files, set_)
+    run_training = train_on_ray if cfg.backend == "ray" else train  # the same loop, in Ray actors or here
     if resume and run_dir is None:
         raise fail("--resume needs --run-dir (the run to continue)")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -174,6 +177,8 @@ def train(
         raise fail(str(e), code=1) from None
     except RolloutError as e:  # every episode of a group failed
         raise fail(str(e), code=1) from None
+    except (TrainerActorFailed, RolloutActorLost) as e:  # backend: ray — the last complete checkpoint stands
+        raise fail(f"{e}: {_resume_command(files, set_, run_dir)}", code=1) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
     _print_report(result.run_dir)

@@ -182,14 +182,16 @@ class Runtime:
     rewards: RewardLoop | None = None  # scores the rubrics when an LLM judge does (``tether.reward``)
 
     @classmethod
-    def build(cls, cfg: RunConfig, model_dir: str | None = None) -> Runtime:
+    def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
+        """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``."""
         from tether.learner.model import load_model_and_tokenizer
 
         path = model_dir or model_path(cfg)
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        return cls(cfg, model, tokenizer, rollout_engine(cfg, model), make_env, tasks, window,
+        engine = engine if engine is not None else rollout_engine(cfg, model)
+        return cls(cfg, model, tokenizer, engine, make_env, tasks, window,
                    RewardLoop.from_config(cfg))
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from tether.config.actor import actor_inert
+from tether.config.cluster import cluster_inert
 from tether.config.reward import reward_inert
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ def inert_values(cfg: RunConfig) -> list[str]:
 
     out += actor_inert(cfg)
     out += reward_inert(cfg)
+    out += cluster_inert(cfg)
     reachable = max_env_steps(cfg)
     if cfg.environment.state.max_turns > reachable:
         al = cfg.agent_loop

@@ -12,6 +12,7 @@ from pydantic import BaseModel, model_validator
 from tether.config.actor import ActorWorkerConfig
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _SECRET_NAME, _check  # noqa: F401
+from tether.config.cluster import RayConfig, ResourcePoolConfig
 from tether.config.environment import *  # noqa: F401,F403
 from tether.config.monitors import MonitorsConfig
 from tether.config.policy import *  # noqa: F401,F403
@@ -54,12 +55,14 @@ class RunConfig(Section):
     message_queue: MessageQueueConfig = MessageQueueConfig()
     """Rollouter → trainer queue."""
     resource_pool: ResourcePoolConfig = ResourcePoolConfig()
-    """Resource pools (Ray backend; not built yet: refused at load)."""
+    """Resource pools of the Ray backend (``tether.config.cluster``)."""
     actor_worker: ActorWorkerConfig = ActorWorkerConfig()
     """The trainer's worker: π_prox across a sync window, sharding (``tether.config.actor``)."""
     backend: Literal["local", "ray"] = "local"
-    """local: one process (asyncio + threads). ray (the components as Ray actors) is not built yet and is
-    refused at load."""
+    """local: one process (asyncio + threads; ``breakpoint()`` works). ray: the rollouter, the MessageQueue and
+    the trainer as Ray actors (``tether.distributed``; the ``ray`` extra)."""
+    ray: RayConfig = RayConfig()
+    """The Ray cluster and weight transfer (``backend: ray``)."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
     reward: RewardConfig = RewardConfig()
@@ -262,6 +265,3 @@ def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[st
     from tether.config.io import load_config as load
 
     return load(paths, overrides)
-
-
-

@@ -359,23 +359,6 @@ class MessageQueueConfig(Section):
     rollouter.max_queue_size)."""
 
 
-class PoolConfig(Section):
-    """A Ray resource pool."""
-
-    num_gpus: NonNegInt = 8
-    """GPUs in the pool, in devices (0 = CPU only)."""
-
-
-class ResourcePoolConfig(Section):
-    """Separate resource pools for training and rollout (``backend: ray``). **Not built yet**: setting any
-    key of this section is refused at load."""
-
-    trainer_pool: PoolConfig = PoolConfig()
-    """Trainer resources."""
-    rollout_pool: PoolConfig = PoolConfig()
-    """Rollout resources."""
-
-
 class MetricsConfig(Section):
     """Where metrics go (``metrics.jsonl`` is always written)."""
 
@@ -385,5 +368,3 @@ class MetricsConfig(Section):
     """Log to Weights & Biases (needs the ``wandb`` package)."""
     wandb_project: str | None = None
     """W&B project (with metrics.wandb: true); None = "tether"."""
-
-

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -54,6 +54,17 @@ class TaskSampler:
             order = random.Random(self.seed * 1_000_003 + epoch).sample(range(n), n)
             out.append(self.tasks[order[i]])
         return out
+
+
+class RemoteParts(Protocol):
+    """The pieces that run in other processes under ``backend: ray`` (``tether.distributed.remote.RayParts``):
+    a handle on the rollout engine, rollouters and the MessageQueue. None (the local backend): built here."""
+
+    def engine(self) -> Any: ...
+
+    def rollouter(self, *, greedy: bool = False) -> Any: ...
+
+    def make_queue(self, max_size: int, window_size: int | None) -> Any: ...
 
 
 class RunDirError(ValueError):
@@ -139,7 +150,7 @@ class Evaluator:
     records which step's weights were evaluated.
     """
 
-    def __init__(self, cfg: RunConfig, rt: Runtime, learner: Learner, weights: WeightSync):
+    def __init__(self, cfg: RunConfig, rt: Runtime, learner: Learner, weights: WeightSync, remote: Any = None):
         self.cfg, self.learner, self.weights = cfg, learner, weights
         self.tasks = rt.tasks("eval")[: cfg.trainer.eval_tasks or None]
         self.own_engine = cfg.trainer.use_trainer_do_validate and cfg.rollout.mode != "sync"
@@ -147,6 +158,8 @@ class Evaluator:
         loop = rt.loop(greedy=True) if not self.own_engine else _greedy_loop(rt, self.engine)
         self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
                                    rewards=rt.rewards)
+        if remote is not None and not self.own_engine:  # backend: ray — the rollout engine's actor evaluates
+            self.rollouter = remote
 
     def __call__(self, step: int) -> tuple[dict[str, float], list]:
         if self.own_engine:
@@ -186,7 +199,8 @@ class Run:
 
     @classmethod
     def build(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
-              show_progress: bool = True, allow_config_change: tuple[str, ...] = ()) -> Run:
+              show_progress: bool = True, allow_config_change: tuple[str, ...] = (),
+              parts: RemoteParts | None = None) -> Run:
         run_dir = Path(run_dir)
         ckpt = check_run_dir(cfg, run_dir, resume, allow_config_change)
         notes, resumed_from_start = [], False
@@ -208,7 +222,7 @@ class Run:
         torch.manual_seed(cfg.trainer.seed)
         closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
         try:
-            rt = Runtime.build(cfg, model_dir)
+            rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
         except BaseException:
             closers[0]()
             raise
@@ -229,7 +243,8 @@ class Run:
             weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
             if ckpt is not None:
                 weights.push()
-            evaluator = Evaluator(cfg, rt, learner, weights)
+            evaluator = Evaluator(cfg, rt, learner, weights,
+                                  remote=parts.rollouter(greedy=True) if parts is not None else None)
             closers.append(evaluator.close)
             teacher = make_teacher(cfg, rt.tokenizer)  # the teacher loop, its tokenizer checked (None: no teacher)
             if teacher is not None:
@@ -241,6 +256,8 @@ class Run:
                                   num_workers=worker.num_workers,
                                   score=None if teacher is None else functools.partial(score_trajectory, teacher),
                                   rewards=rt.rewards)
+            if parts is not None:  # backend: ray — the episodes run in the rollouter actor (tether.distributed)
+                rollouter = parts.rollouter()
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
             closers.append(recorder.close)
@@ -249,7 +266,7 @@ class Run:
             source = make_source(cfg, GroupProducer(cfg, rollouter), sampler.batch, weights, start_step=start,
                                  sizes=allocator.sizes, max_concurrent=worker.max_concurrent_tasks,
                                  hacking_patterns=tuple(anti.detect_patterns if anti.enabled else ()),
-                                 state=extra.get("source"))
+                                 state=extra.get("source"), make_queue=parts.make_queue if parts is not None else None)
             closers.append(source.close)
             progress = Progress(cfg.trainer.total_steps, start, enabled=show_progress)
             closers.append(progress.close)

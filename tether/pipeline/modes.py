@@ -132,7 +132,7 @@ class AsyncSource:
     def __init__(self, cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
                  sizes: Sizes, weights: WeightSync, ledger: Ledger, *, max_groups_in_flight: int,
                  groups_per_step: int, start_step: int, max_staleness: int, hacking_patterns: tuple[str, ...] = (),
-                 counters: dict[str, float] | None = None):
+                 counters: dict[str, float] | None = None, make_queue: Callable[..., MessageQueue] = MessageQueue):
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
         self.ledger = ledger
         self.max_groups_in_flight, self.groups_per_step = max_groups_in_flight, groups_per_step
@@ -143,7 +143,7 @@ class AsyncSource:
         self.normalization = cfg.policy_optimization.advantage.normalization
         self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
         sched = cfg.rollout.scheduler
-        self.queue = MessageQueue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
+        self.queue = make_queue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
         buf = cfg.buffer
         self.buffer = ReplayBuffer(cfg.rollout.partial_rollout.replay_buffer_size, buf.type, buf.freshness_weight,
                                    buf.diversity_weight, version=weights.version)
@@ -297,8 +297,10 @@ class AsyncSource:
 
 def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
                 weights: WeightSync, *, start_step: int, sizes: Sizes, hacking_patterns: tuple[str, ...] = (),
-                max_concurrent: int, state: dict | None = None) -> BatchSource:
-    """The batch source of ``rollout.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``."""
+                max_concurrent: int, state: dict | None = None,
+                make_queue: Callable[..., MessageQueue] | None = None) -> BatchSource:
+    """The batch source of ``rollout.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``;
+    ``make_queue(max_size, window_size)`` makes the MessageQueue (another actor's under ``backend: ray``)."""
     group_size = cfg.policy_optimization.advantage.group_size
     in_flight = max(1, max_concurrent // group_size)  # groups in flight: rollout.worker.max_concurrent_tasks
     groups_per_step = cfg.derived()["prompts_per_step"]
@@ -314,4 +316,5 @@ def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[
         staleness = min(1, staleness)
     return AsyncSource(cfg, producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
                        groups_per_step=groups_per_step, start_step=start_step, max_staleness=staleness,
-                       hacking_patterns=hacking_patterns, counters=state.get("counters"))
+                       hacking_patterns=hacking_patterns, counters=state.get("counters"),
+                       make_queue=make_queue or MessageQueue)

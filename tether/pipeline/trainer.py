@@ -20,7 +20,7 @@ import torch
 from tether.algo import group_advantages
 from tether.config import RunConfig
 from tether.metrics import record_metric
-from tether.pipeline.build import Run
+from tether.pipeline.build import RemoteParts, Run
 from tether.pipeline.faults import fault
 from tether.pipeline.monitors import Monitors, MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
@@ -37,9 +37,11 @@ class RunResult:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
-          show_progress: bool = True, allow_config_change: tuple[str, ...] = ()) -> RunResult:
+          show_progress: bool = True, allow_config_change: tuple[str, ...] = (), parts: RemoteParts | None = None
+          ) -> RunResult:
+    """``parts``: the pieces in other actors under ``backend: ray`` (``tether.distributed``); None = this process."""
     run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress,
-                    allow_config_change=allow_config_change)
+                    allow_config_change=allow_config_change, parts=parts)
     tr, monitors = cfg.trainer, Monitors(cfg)
     with run, PreemptionGuard() as stop:
         eval_before = run.eval(0) if run.start == 0 else {}

@@ -1,0 +1,74 @@
+"""``backend``, ``ray`` and ``resource_pool``: where the components run (``tether.distributed``).
+
+``backend: local`` (the default) runs everything in one process. ``backend: ray`` runs the rollouter (with its
+engine), the MessageQueue and the trainer as Ray actors, placed in the ``resource_pool`` pools through Ray
+placement groups; the same config trains with either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from tether.config.base import NonNegInt, PosFloat, PosInt, Section
+
+__all__ = ["PoolConfig", "RayConfig", "ResourcePoolConfig"]
+
+
+class PoolConfig(Section):
+    """One Ray resource pool: a placement group of one bundle on one node (``backend: ray``)."""
+
+    num_gpus: NonNegInt = 0
+    """GPUs in the pool, in devices (0 = CPUs only). The seeds' separation_config.yaml gives 8 per pool; a pool
+    larger than the cluster fails at start, naming this key and what the cluster has."""
+    num_cpus: PosInt = 1
+    """CPUs in the pool (the actor's CPU share; with GPUs, the CPUs that go with them)."""
+
+
+class ResourcePoolConfig(Section):
+    """Separate resource pools for training and rollout (``backend: ray``; separation_config.yaml). The trainer
+    actor is placed in ``trainer_pool``, the rollouter actor (and its engine) in ``rollout_pool``; the
+    MessageQueue actor needs no reserved resources."""
+
+    trainer_pool: PoolConfig = PoolConfig()
+    """Trainer resources."""
+    rollout_pool: PoolConfig = PoolConfig()
+    """Rollout resources."""
+
+
+class RayConfig(Section):
+    """How ``backend: ray`` reaches its cluster and moves weights (read only with ``backend: ray``)."""
+
+    address: str | None = None
+    """The Ray cluster to connect to (``auto``, ``HOST:PORT`` of the head's GCS, or ``ray://HOST:10001``).
+    None = start a local cluster in this process (``ray.num_cpus`` CPUs), shut down at the end."""
+    num_cpus: PosInt | None = None
+    """CPUs of the local cluster started when ``ray.address`` is None (None = all the machine's); ignored when
+    connecting to an existing cluster."""
+    env_vars: list[str] = []
+    """Names of further environment variables to pass to every actor (their values are read from this process at
+    start and never written to logs or the run's config). Always passed: the variables the config's secrets
+    reference (``llm_client.api_key: ${VAR}``), every ``TETHER_*`` variable and the thread-count variables — an
+    actor on an existing cluster does not inherit this process's environment (the source document's 401 case)."""
+    weight_transfer: Literal["object_store", "nccl"] = "object_store"
+    """How the trainer's weights reach the rollout engine: object_store (CPU tensors through the Ray object store,
+    in buckets). nccl (a torch.distributed broadcast between GPUs) is not built yet and is refused at load."""
+    weight_bucket_mb: PosFloat = 256.0
+    """Size of one weight bucket, in MiB: the state dict is put into the object store in buckets of at most this
+    many bytes (one tensor larger than a bucket is a bucket of its own); ``perf/weight_sync_buckets`` counts them."""
+    max_actor_restarts: NonNegInt = 3
+    """How often a dead rollouter actor is restarted (its in-flight groups re-queued, the latest weights sent
+    again) before the run fails. 0 = a rollouter failure ends the run."""
+
+
+def cluster_inert(cfg: Any) -> list[str]:
+    """``RunConfig.warnings``'s sentence for the keys of this file set while ``backend`` is local."""
+    if cfg.backend == "ray":
+        return []
+    keys = [f"resource_pool.{pool}.{key}" for pool in ("trainer_pool", "rollout_pool")
+            for key in sorted(getattr(cfg.resource_pool, pool).model_fields_set)
+            if pool in cfg.resource_pool.model_fields_set]
+    keys += [f"ray.{key}" for key in sorted(cfg.ray.model_fields_set)]
+    if not keys:
+        return []
+    return [f"{', '.join(keys)} act with backend: ray only: backend is local (one process, nothing is placed or "
+            "transferred); set backend: ray to use them"]

@@ -1,0 +1,142 @@
+"""The actors of ``backend: ray``, as plain classes (``ray_backend`` wraps them with ``ray.remote``).
+
+- ``RolloutWorker``: the rollouter's half that touches the model — a copy of the weights in the configured
+  engine (``engine.type``), the environments, and two ``Rollouter``s (sampling, and greedy for held-out
+  evaluation). It answers ``group`` / ``groups`` calls; the GroupProducer, admission control and the ledger
+  stay with the trainer, so a group's identity and its exactly-once accounting never leave one process.
+- ``QueueWorker``: the ``MessageQueue``, unchanged, behind a threaded actor (a blocking ``get_batch`` must not
+  hold up ``put``).
+- ``TrainerWorker``: runs ``tether.pipeline.trainer.train`` — the same loop as the local backend — with the
+  remote parts (``remote.py``).
+
+Metrics a RolloutWorker records (``rollout/episode_errors`` and the like) are kept as events and returned with
+each call's result, to be recorded again in the trainer, so a step's row is the same in both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+from tether.config import RunConfig
+from tether.metrics import MetricsRecorder, set_recorder
+from tether.pipeline.queue import MessageQueue
+from tether.pipeline.rollouter import Rollouter, RolloutError
+from tether.types import Task
+
+Event = tuple[str, float, str]  # (metric, value, reduction)
+
+
+def env_present(names: list[str]) -> dict[str, bool]:
+    """Which of ``names`` are set in this process's environment (names only: values never leave the actor)."""
+    return {n: n in os.environ for n in names}
+
+
+class EventLog(MetricsRecorder):
+    """A recorder that keeps every ``record_metric`` call as an event until drained."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self._events: list[Event] = []
+        self._events_lock = threading.Lock()
+
+    def record(self, name: str, value: float, reduce: Any = "mean") -> None:
+        with self._events_lock:
+            self._events.append((name, float(value), str(reduce)))
+
+    def drain(self) -> list[Event]:
+        with self._events_lock:
+            out, self._events = self._events, []
+        return out
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RunConfig, model_dir: str):
+        from tether.runtime import Runtime
+
+        self.events = EventLog()
+        set_recorder(self.events)
+        self.rt = Runtime.build(cfg, model_dir)
+        self.rt.model = None  # the engine holds its own copy
+        worker = cfg.rollout.worker
+        self.rollouters = {
+            False: Rollouter(self.rt.loop(), self.rt.make_env, max_concurrent=worker.max_concurrent_tasks,
+                             timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
+                             reuse_policy=cfg.rollout.partial_rollout.reuse_policy, num_workers=worker.num_workers),
+            True: Rollouter(self.rt.loop(greedy=True), self.rt.make_env, max_concurrent=worker.max_concurrent_tasks),
+        }
+        self.token, self.version = 0, 0  # token 0: the weights of the model folder (weight_transfer.py)
+        self.in_flight = 0
+        self._update_lock = asyncio.Lock()
+
+    async def group(self, token: int, task: Task, size: int, seed: int) -> tuple[str, Any, list[Event]]:
+        """("ok", Group, events), ("failed", (message, cause), events) or ("behind", token held, [])."""
+        return await self._call(token, self.rollouters[False].group(task, size, seed))
+
+    async def groups(self, token: int, greedy: bool, tasks: list[Task], sizes: int | list[int], seed: int,
+                     keep_failed: bool) -> tuple[str, Any, list[Event]]:
+        return await self._call(token, self.rollouters[greedy].groups(tasks, sizes, seed, keep_failed=keep_failed))
+
+    async def _call(self, token: int, work: Any) -> tuple[str, Any, list[Event]]:
+        if token != self.token:  # restarted, or a push has not arrived: the trainer sends the latest first
+            work.close()
+            return "behind", self.token, []
+        self.in_flight += 1
+        try:
+            return "ok", await work, self.events.drain()
+        except RolloutError as e:  # returned, not raised: the trainer re-raises it as the pipeline expects
+            return "failed", (str(e), e.cause), self.events.drain()
+        finally:
+            self.in_flight -= 1
+
+    async def update_weights(self, token: int, version: int, refs: list[Any]) -> int:
+        """Load push ``token`` (its buckets' object refs) unless a push as new is held; returns the token held."""
+        from tether.distributed.weight_transfer import unpack_buckets
+
+        async with self._update_lock:
+            if token > self.token:
+                buckets = await asyncio.gather(*refs)
+                await asyncio.to_thread(self.rt.engine.update_weights, unpack_buckets(list(buckets)), version)
+                self.token, self.version = token, version
+        return self.token
+
+    def stats(self) -> Counter[str]:
+        """The engine's counters (``busy_s``, tokens, …) and this actor's: weights token and version, calls in
+        flight, pid. A Counter, as the engine's: a count not made yet reads 0."""
+        return Counter({**self.rt.engine.stats, "token": self.token, "version": self.version,
+                        "in_flight": self.in_flight, "pid": os.getpid()})
+
+    def env_present(self, names: list[str]) -> dict[str, bool]:
+        return env_present(names)
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+class QueueWorker:
+    """The MessageQueue as an actor; every method is the MessageQueue's own."""
+
+    def __init__(self, max_size: int, window_size: int | None):
+        self.queue = MessageQueue(max_size, window_size)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.queue, method)(*args, **kwargs)
+
+
+class TrainerWorker:
+    def __init__(self, cfg: RunConfig, model_dir: str, rollout: Any, queue_options: dict[str, Any]):
+        self.cfg, self.model_dir, self.rollout, self.queue_options = cfg, model_dir, rollout, queue_options
+
+    def train(self, run_dir: str, resume: bool, show_progress: bool, allow_config_change: tuple[str, ...]) -> Any:
+        from tether.distributed.remote import RayParts
+        from tether.pipeline.trainer import train
+
+        parts = RayParts(self.cfg, self.rollout, self.queue_options)
+        return train(self.cfg, run_dir, resume=resume, model_dir=self.model_dir, show_progress=show_progress,
+                     allow_config_change=allow_config_change, parts=parts)
+
+    def env_present(self, names: list[str]) -> dict[str, bool]:
+        return env_present(names)

@@ -1,0 +1,125 @@
+"""``backend: ray``: the driver. Connects to (or starts) a cluster, reserves the resource pools, starts the actors,
+runs the trainer actor to the end and stops everything it started.
+
+    driver ─ ray.init(ray.address) ─ placement groups (resource_pool.*)
+      ├─ RolloutWorker  in rollout_pool  (engine + environments; restarted up to ray.max_actor_restarts times)
+      └─ TrainerWorker  in trainer_pool  (tether.pipeline.trainer.train with the remote parts)
+            └─ QueueWorker (async modes: the MessageQueue, started by the trainer, no reserved resources)
+
+Every actor gets the variables of ``envvars.actor_env_vars`` in its runtime environment, and the driver checks
+that the rollouter actor sees each of them before the run starts (the source document's 401 case). A trainer actor
+that dies stops the run: ``TrainerActorFailed`` names the last complete checkpoint (checkpoints are written to a
+temporary folder and renamed, so a kill never leaves a torn one) and ``--resume`` continues from it, exactly once
+(``pipeline/ledger.py``). The run directory must be visible to the trainer actor: on a multi-node cluster, a
+shared filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tether.config import RunConfig
+from tether.distributed.envvars import actor_env_vars
+from tether.distributed.placement import Pools, reserve_pools
+
+log = logging.getLogger(__name__)
+
+
+class TrainerActorFailed(RuntimeError):
+    """The trainer actor died; the message names the last complete checkpoint."""
+
+
+def init_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """``ray.init`` arguments: connect to ``ray.address``, or start a local cluster of ``ray.num_cpus`` CPUs."""
+    if cfg.ray.address:
+        return {"address": cfg.ray.address}
+    return {"num_cpus": cfg.ray.num_cpus, "include_dashboard": False}
+
+
+def connect(cfg: RunConfig) -> bool:
+    """Connect this process to its cluster (a connection already made is used as it is); returns whether this
+    call made the connection, and so must end it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(**init_kwargs(cfg), log_to_driver=True)
+    return True
+
+
+def _options(pool: Any, pools: Pools, name: str, env: dict[str, str], **extra: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": pool.num_cpus, "scheduling_strategy": pools.strategy(name),
+                            "runtime_env": {"env_vars": env}, **extra}
+    if pool.num_gpus:
+        opts["num_gpus"] = pool.num_gpus
+    return opts
+
+
+def start_rollout_worker(cfg: RunConfig, model_dir: str, pools: Pools, env: dict[str, str]) -> Any:
+    """The RolloutWorker actor in the rollout pool (Ray restarts it up to ``ray.max_actor_restarts`` times)."""
+    import ray
+
+    from tether.distributed.actors import RolloutWorker
+
+    return ray.remote(RolloutWorker).options(
+        **_options(cfg.resource_pool.rollout_pool, pools, "rollout", env, max_restarts=cfg.ray.max_actor_restarts,
+                   max_task_retries=0, max_concurrency=1000)).remote(cfg, model_dir)
+
+
+def check_env(actor: Any, env: dict[str, str]) -> None:
+    """Raise unless ``actor`` sees every variable of ``env`` (names compared, values never leave the actor)."""
+    import ray
+
+    seen = ray.get(actor.env_present.remote(sorted(env)))
+    missing = [k for k, ok in seen.items() if not ok]
+    if missing:  # cannot happen while runtime_env works; if it does, say so before a request gets a 401
+        raise RuntimeError(f"an actor ({actor}) does not see environment variable(s) {', '.join(missing)} although "
+                           "they were passed in its runtime_env; check the cluster's runtime_env support")
+
+
+def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
+                 show_progress: bool = True, allow_config_change: tuple[str, ...] = (),
+                 on_start: Any = None) -> Any:
+    """``tether.pipeline.trainer.train`` on Ray; returns its ``RunResult``. ``on_start(actors)`` (tests) is
+    called with ``{"rollout": handle, "trainer": handle}`` once both actors are up."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from tether.distributed.actors import TrainerWorker
+    from tether.learner.checkpoint import latest_checkpoint
+    from tether.runtime import model_path
+
+    started = connect(cfg)
+    actors: list[Any] = []
+    pools: Pools | None = None
+    try:
+        path = model_dir or model_path(cfg)  # a preset is built here, once, before the actors load it
+        pools = reserve_pools(cfg)
+        env = actor_env_vars(cfg)
+        log.info("ray backend: actors get environment variables %s", sorted(env))  # names only
+        rollout = start_rollout_worker(cfg, path, pools, env)
+        actors.append(rollout)
+        trainer: Any = ray.remote(TrainerWorker).options(  # both start at once: each loads torch and the model
+            **_options(cfg.resource_pool.trainer_pool, pools, "trainer", env, max_restarts=0)
+        ).remote(cfg, path, rollout, {"runtime_env": {"env_vars": env}})
+        actors.append(trainer)
+        for actor in actors:
+            check_env(actor, env)
+        if on_start is not None:
+            on_start({"rollout": rollout, "trainer": trainer})
+        try:
+            return ray.get(trainer.train.remote(str(run_dir), resume, show_progress, tuple(allow_config_change)))
+        except RayActorError as e:
+            last = latest_checkpoint(Path(run_dir))
+            raise TrainerActorFailed(f"the trainer actor died ({type(e).__name__}); the last complete checkpoint is "
+                                     f"{last or 'none (the run starts again from step 0)'}; continue the run with "
+                                     f"--resume") from e
+    finally:
+        for actor in reversed(actors):
+            ray.kill(actor, no_restart=True)
+        if pools is not None:
+            pools.remove()
+        if started:
+            ray.shutdown()

@@ -1,0 +1,217 @@
+"""The trainer's side of ``backend: ray``: stand-ins for the pieces that live in other actors.
+
+``Run.build`` takes them through ``parts`` (``RayParts``) where the local backend builds its own:
+
+- ``RolloutHandle`` for the rollout engine: ``update_weights`` puts the weights into the object store in buckets
+  and has the RolloutWorker load them (``weight_transfer.py``); ``stats`` is the engine's.
+- ``RemoteRollouter`` for the ``Rollouter``: ``group`` / ``groups`` run in the RolloutWorker.
+- ``RemoteQueue`` for the ``MessageQueue`` (async modes): the same methods, in a QueueWorker actor.
+
+**A rollouter actor that dies.** Ray restarts it (up to ``ray.max_actor_restarts`` times, from the model folder:
+token 0). Every call that was in flight fails with ``RayActorError``; ``RemoteRollouter`` makes the same call
+again — the same task, step, index and seed, so the same group — once the actor is back and has caught up to the
+latest weights. The producer and its ledger (``pipeline/ledger.py``) never see the failure, so each group still
+reaches the queue, and the trainer, exactly once; ``ray/requeued_calls`` counts the calls made again and
+``ray/actor_restarts`` the restarts. When the restarts are spent, ``RolloutActorLost`` ends the run like any
+failure of the rollouter (the last checkpoint stands; ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, cast
+
+from tether.config import RunConfig
+from tether.distributed.weight_transfer import MiB, WeightPush, put_weights
+from tether.metrics import Reduce, record_metric
+from tether.pipeline.rollouter import RolloutError
+from tether.types import Group, Task
+
+
+class RolloutActorLost(RuntimeError):
+    """The rollouter actor died and Ray will not restart it again."""
+
+
+def _actor_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return RayActorError, ActorUnavailableError
+
+
+class RolloutHandle:
+    """The rollout engine as the trainer sees it (``WeightSync`` pushes to it, ``step_metrics`` reads ``stats``)."""
+
+    def __init__(self, actor: Any, bucket_bytes: int, max_restarts: int):
+        self.actor, self.bucket_bytes, self.max_restarts = actor, bucket_bytes, max_restarts
+        self.latest: WeightPush | None = None  # held, so that its buckets stay in the object store
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self.restarts = 0
+
+    @property
+    def token(self) -> int:
+        push = self.latest
+        return push.token if push is not None else 0
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        import ray
+
+        with self._lock:
+            self._tokens += 1
+            push = put_weights(state_dict, self._tokens, version, self.bucket_bytes)
+            self.latest = push
+        record_metric("perf/weight_sync_buckets", len(push.refs), "sum")
+        record_metric("perf/weight_sync_mb", push.nbytes / MiB, "sum")
+        while True:
+            try:
+                ray.get(self.actor.update_weights.remote(push.token, push.version, push.refs))
+                return
+            except _actor_errors():  # the new incarnation gets this push on the next attempt
+                self.wait_alive()
+
+    async def catch_up(self) -> None:
+        """Send the latest push (the actor ignores one it already holds)."""
+        push = self.latest
+        if push is not None:
+            await self.actor.update_weights.remote(push.token, push.version, push.refs)
+
+    def wait_alive(self) -> None:
+        """Block until the actor answers again (restarted), counting the restart; ``RolloutActorLost`` when dead."""
+        import ray
+
+        try:
+            pid = ray.get(self.actor.stats.remote(), timeout=300)["pid"]
+        except _actor_errors() as e:
+            raise RolloutActorLost(f"the rollouter actor died and was not restarted (ray.max_actor_restarts = "
+                                   f"{self.max_restarts} restarts spent): {e}") from e
+        self.note_pid(pid)
+
+    def note_pid(self, pid: int) -> None:
+        with self._lock:
+            if self._pid is not None and pid != self._pid:
+                self.restarts += 1
+                record_metric("ray/actor_restarts", 1, "sum")
+            self._pid = pid
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        while True:
+            try:
+                stats = ray.get(self.actor.stats.remote())
+                self.note_pid(stats["pid"])
+                return stats
+            except _actor_errors():
+                self.wait_alive()
+
+    def close(self) -> None:
+        """The actor is the driver's to stop (``ray_backend``)."""
+
+
+class RemoteRollouter:
+    """``Rollouter.group`` / ``groups`` in the RolloutWorker; ``greedy`` selects its evaluation rollouter."""
+
+    def __init__(self, handle: RolloutHandle, *, greedy: bool = False):
+        self.handle, self.greedy = handle, greedy
+        self.rewards = None  # the LLM judge's reward loop is not built for backend: ray (refused in Run.build)
+
+    async def group(self, task: Task, group_size: int, seed: int) -> Group:
+        return await self._call("group", task, group_size, seed)
+
+    async def groups(self, tasks: list[Task], group_size: int | list[int], seed: int, *,
+                     keep_failed: bool = False) -> list[Group]:
+        return await self._call("groups", self.greedy, tasks, group_size, seed, keep_failed)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        while True:
+            try:
+                status, payload, events = await getattr(self.handle.actor, method).remote(self.handle.token, *args)
+            except _actor_errors():  # died with this call in flight: made again, the same call, once it is back
+                record_metric("ray/requeued_calls", 1, "sum")
+                await asyncio.to_thread(self.handle.wait_alive)
+                continue
+            if status == "behind":  # restarted or missed a push: catch up to the latest weights first
+                record_metric("ray/weight_catch_ups", 1, "sum")
+                try:
+                    await self.handle.catch_up()
+                except _actor_errors():
+                    await asyncio.to_thread(self.handle.wait_alive)
+                continue
+            for name, value, reduce in events:
+                record_metric(name, value, cast(Reduce, reduce))
+            if status == "failed":
+                message, cause = payload
+                raise RolloutError(message, cause)
+            return payload
+
+
+class RemoteQueue:
+    """``MessageQueue`` in a QueueWorker actor: the methods the pipeline calls, forwarded."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        return ray.get(self.actor.call.remote(method, *args, **kwargs))
+
+    def put(self, item: Any) -> bool:
+        return bool(self._call("put", item))
+
+    def abandon(self, seq: int) -> None:
+        self._call("abandon", seq)
+
+    def close(self) -> None:
+        self._call("close")
+
+    def get_batch(self, n: int, timeout: float | None = None) -> Any:
+        return self._call("get_batch", n, timeout)
+
+    def get_available(self) -> Any:
+        return self._call("get_available")
+
+    def report_stale(self, groups: Any) -> None:
+        self._call("report_stale", list(groups))
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("metrics")
+
+    def check_accounting(self) -> None:
+        self._call("check_accounting")
+
+
+class RayParts:
+    """What ``Run.build`` takes from other actors under ``backend: ray`` (``pipeline.build.RemoteParts``)."""
+
+    def __init__(self, cfg: RunConfig, rollout_actor: Any, queue_options: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.handle = RolloutHandle(rollout_actor, max(1, int(cfg.ray.weight_bucket_mb * MiB)),
+                                    cfg.ray.max_actor_restarts)
+        self.queue_options = queue_options or {}
+        self.queue_actor: Any = None
+
+    def engine(self) -> RolloutHandle:
+        return self.handle
+
+    def rollouter(self, *, greedy: bool = False) -> RemoteRollouter:
+        return RemoteRollouter(self.handle, greedy=greedy)
+
+    def make_queue(self, max_size: int, window_size: int | None) -> RemoteQueue:
+        """The MessageQueue of the async modes, started as a QueueWorker actor (owned by this, the trainer's,
+        process: it ends with the run)."""
+        import ray
+
+        from tether.distributed.actors import QueueWorker
+
+        started = time.perf_counter()
+        self.queue_actor = ray.remote(QueueWorker).options(num_cpus=0, max_concurrency=16,
+                                                           **self.queue_options).remote(max_size, window_size)
+        queue = RemoteQueue(self.queue_actor)
+        queue.metrics()  # started and answering before the rollouter puts into it
+        record_metric("ray/queue_start_s", time.perf_counter() - started, "last")
+        return queue
