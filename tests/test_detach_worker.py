@@ -138,7 +138,7 @@ def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run):
     gap_held = abs(h[1]["optim/is_ratio_mean"] - 1.0)
     print(f"step 2 |is_ratio_mean - 1|: ActorWorker {gap_plain:.2e}, DetachActorWorker {gap_held:.2e}; "
           f"detach save {h[1]['perf/detach_save_s']:.2e} s, restore {h[1]['perf/detach_restore_s']:.2e} s")
-    assert gap_held < 1e-3 < gap_plain
+    assert gap_held <= 1e-5 and gap_plain > 1e-4  # measured: 0 and 7e-4 .. 6e-3 (the samples vary with the run)
     assert h[1]["perf/detach_restore_s"] > 0 and "perf/detach_restore_s" not in p[1]
 
 

@@ -14,8 +14,8 @@ mini-batch's loss, so the sum is the single-process gradient. ``clip_grad_norm_`
 gives the global norm, so the clip and the non-finite guard decide the same on every rank.
 
 The KL reference is sharded the same way and scored on each rank's share. π_prox (with an off-policy correction)
-is scored on the whole batch by every rank — the same forwards on every rank, as FSDP needs, at the price of one
-no-grad forward of every row per rank; sharing that pass out too is left to do. Collectives of the step's
+is scored in shares too: each rank its rows of every scoring chunk (``Ranks.rows``; a rank with none scores a
+stand-in row, so that every rank runs the same forwards), the rows summed across ranks. Collectives of the step's
 metrics run on the GPU under NCCL, on the CPU under gloo (``tether.learner.ranks``).
 
 A rank is a process: ``torchrun --nproc-per-node N`` (or ``torch.multiprocessing``, or a Ray actor per rank)

@@ -233,14 +233,16 @@ class Learner:
         self.model.eval()
         with torch.no_grad():
             for start in range(skip, len(batch), self.micro_batch_size):
-                mb = batch.slice(start, min(start + self.micro_batch_size, len(batch))).to(device)
+                lo, hi = self.ranks.rows(start, min(start + self.micro_batch_size, len(batch)))  # this rank's share
+                # a rank with no rows here scores a stand-in row (FSDP needs the same forwards on every rank)
+                mb = (batch.slice(lo, hi) if hi > lo else batch.slice(start, start + 1)).to(device)
                 sel = mb.loss_mask[:, 1:] > 0  # [b, t-1]
                 logits = token_logits(self.model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
                 logp = _scatter(logprobs_from_logits(logits[None], mb.input_ids[:, 1:][sel][None],
                                                      self.temperature)[0], sel)  # [b, t-1]
-                out[start:start + len(mb), 1:mb.input_ids.shape[1]] = logp.float().cpu()
+                out[lo:hi, 1:mb.input_ids.shape[1]] = logp.float().cpu()
         self.model.train(was_training)
-        return out
+        return self.ranks.sum(out)  # every rank's rows (out itself in one process)
 
     def _update(self, mini: TrainBatch, device: torch.device, norm_len: int,
                 acc: dict[str, list[tuple[float, float]]], prox_from_forward: bool = False) -> float | None:

@@ -48,6 +48,15 @@ class Ranks:
             return parts[self.rank], 1.0
         return mb.slice(0, 1), 0.0
 
+    def rows(self, start: int, stop: int) -> tuple[int, int]:
+        """This rank's consecutive share ``lo, hi`` of the rows ``start:stop`` (near-equal parts, larger first;
+        ``lo == hi``: none); ``start, stop`` in one process."""
+        if not self.sharded:
+            return start, stop
+        size, extra = divmod(stop - start, self.world)
+        lo = start + self.rank * size + min(self.rank, extra)
+        return lo, lo + size + (self.rank < extra)
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the ranks (``value`` itself in one process), on ``value``'s device."""
         if not self.sharded:
