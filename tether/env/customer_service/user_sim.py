@@ -141,9 +141,6 @@ class LLMUserSimulator:
         self.system = hidden_goal(task)
         self.history: list[dict[str, str]] = [{"role": "assistant", "content": self.data["opening"]}]
 
-    def opening(self) -> str:
-        return self.data["opening"]
-
     async def areply(self, message: str) -> str:
         self.history.append({"role": "user", "content": message})  # the agent speaks in the user turn
         try:
@@ -158,9 +155,6 @@ class LLMUserSimulator:
             text = text.replace(STOP, "").strip() or RESOLVED_REPLY
         self.history.append({"role": "assistant", "content": text})
         return text
-
-    def reply(self, message: str) -> str:
-        raise TypeError("LLMUserSimulator answers asynchronously: await areply(message)")
 
 
 def make_user(task: Task, config: Any = None) -> UserSimulator | LLMUserSimulator:
