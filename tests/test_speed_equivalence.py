@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -14,10 +15,21 @@ import torch
 
 from test_learner import advantages, make_cfg, make_trajectories
 from tether.agent import chat
+from tether.config import RunConfig
 from tether.learner import learner as learner_module
 from tether.learner.learner import Learner, token_logits
+from tether.metrics import MetricsRecorder, set_recorder
+from tether.types import Group, Task, Trajectory
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def metrics():
+    rec = MetricsRecorder([])
+    prev = set_recorder(rec)
+    yield rec
+    set_recorder(prev)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +163,66 @@ def test_render_cache_returns_what_the_template_renders(tmp_path):
     assert len(calls) == 6  # one rendering per distinct (messages, tools, flag)
     assert chat.render_ids(tok, convs[0], None, add_generation_prompt=True) != chat.render_ids(
         tok, convs[0], tools, add_generation_prompt=True)  # tools are part of the key
+
+
+class SlowScriptedRollouter:
+    """Rewards per (task, seed) from a script; each group takes a moment, so that attempts started together
+    overlap. Records the seeds started and the groups that were cancelled."""
+
+    def __init__(self, script, slow=()):
+        self.script, self.slow, self.started, self.cancelled, self.events = script, set(slow), [], [], []
+
+    async def group(self, task, n, seed):
+        self.started.append(seed)
+        self.events.append(("start", seed))
+        try:
+            await asyncio.sleep(0.3 if seed in self.slow else 0.05)
+        except asyncio.CancelledError:
+            self.cancelled.append(seed)
+            raise
+        self.events.append(("end", seed))
+        return Group(task.id, [Trajectory("t", [1], reward=r, success=r > 0.5) for r in self.script[task.id][seed]])
+
+
+def test_resample_attempts_started_together_keep_the_serial_result(metrics):
+    from tether.pipeline.shaping import GroupProducer, record_production_metrics, step_seed
+
+    cfg = RunConfig.model_validate({"policy_optimization": {"advantage": {
+        "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
+    probe = GroupProducer(cfg, SlowScriptedRollouter({}))
+    assert probe.concurrent_resamples  # sync mode, no judge, no teacher
+
+    first, again = step_seed(cfg.trainer.seed, 1), probe._resample_seed
+
+    def script():
+        return {"A": {first: [1] * 4, again(1, 0, 1): [1, 0, 1, 1], again(1, 0, 2): [0, 1, 0, 0]},  # 1st resample ok
+                "B": {first: [0, 1, 0, 1]},  # informative at once: no resample
+                "C": {first: [0] * 4, again(1, 2, 1): [0] * 4, again(1, 2, 2): [1] * 4}}  # dropped after both
+
+    tasks = [Task(k, "train", "refund") for k in "ABC"]
+    results = {}
+    for concurrent in (False, True):
+        rollouter = SlowScriptedRollouter(script(), slow=[again(1, 0, 2)])  # A's 2nd resample is still running
+        producer = GroupProducer(cfg, rollouter)
+        producer.concurrent_resamples = concurrent
+
+        async def run(producer=producer):
+            return await asyncio.gather(*(producer.produce(t, 4, 1, k) for k, t in enumerate(tasks)))
+
+        results[concurrent] = (asyncio.run(run()), rollouter)
+    serial, concurrent = results[False][0], results[True][0]
+    for a, b in zip(serial, concurrent, strict=True):  # the same groups, attempts and outcome
+        assert (a.group.rewards, a.resampled, a.resampled_trajectories, a.dropped, a.any_success) == (
+            b.group.rewards, b.resampled, b.resampled_trajectories, b.dropped, b.any_success)
+    assert [p.dropped for p in concurrent] == [False, False, True]
+    assert [p.speculative_trajectories for p in concurrent] == [4, 0, 0]  # A's 2nd attempt was not needed
+    assert results[True][1].cancelled == [probe._resample_seed(1, 0, 2)] and not results[False][1].cancelled
+    assert len(results[False][1].started) == 6 and len(results[True][1].started) == 7
+    # serial: C's 2nd resample starts after its 1st has finished; together: before
+    c1, c2 = again(1, 2, 1), again(1, 2, 2)
+    serial_log, together_log = results[False][1].events, results[True][1].events
+    assert serial_log.index(("start", c2)) > serial_log.index(("end", c1))
+    assert together_log.index(("start", c2)) < together_log.index(("end", c1))
+    record_production_metrics(concurrent)
+    row = metrics.flush(1)
+    assert row["rollout/speculative_trajectories"] == 4 and row["rollout/resampled_trajectories"] == 12

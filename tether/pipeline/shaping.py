@@ -2,9 +2,7 @@
 
 A group is produced in one place, the same way in every ``rollout.mode`` (``GroupProducer.produce``):
 
-1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task). With an LLM judge their rubric
-   scores come from the reward loop (``tether.reward``) and a judge failure in the group is settled by
-   ``reward.on_judge_failure``: drop_group delivers the group marked ``dropped`` (not resampled, not trained).
+1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task).
 2. **Diversity bonus** (``exploration.diversity_bonus``): each successful trajectory gets coef / (successful
    trajectories of its group with the same strategy) added to its reward, so a group that solved the task
    in k distinct ways earns k·coef between them (``tether.algo.diversity``: the strategy is the sequence of
@@ -29,7 +27,9 @@ describes the groups of that step in every mode.
 Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
 ``optim/degenerate_group_ratio_before_filter`` (first attempts), ``optim/degenerate_group_ratio`` (as trained,
 recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled_trajectories``,
-``rollout/dropped_groups``, ``rollout/generated_trajectories`` (first attempts),
+``rollout/dropped_groups``, ``rollout/generated_trajectories`` (first attempts), ``rollout/speculative_trajectories``
+(sync mode: episodes of resample attempts started together with an earlier one that turned out informative,
+then cancelled; see ``GroupProducer``),
 ``rollout/allocation_max`` / ``_min``; and the learning signal where it can fail, over every first attempt of
 the step's groups before the filter: ``optim/raw_reward_std_within_group`` (mean of the within-group reward
 stds, a singleton counting 0) and ``optim/advantage_std_before_filter`` (the std of the advantages those
@@ -39,6 +39,7 @@ groups would get). ``optim/advantage_std`` is taken after the filter and after g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,7 @@ class Produced:
     first_rewards: list[float] = field(default_factory=list)  # the first attempt's rewards (bonus included)
     resampled: int = 0  # further attempts made by the degenerate-group filter
     resampled_trajectories: int = 0
+    speculative_trajectories: int = 0  # started by a resample attempt that an earlier one made unneeded
     first_trajectories: int = 0
     dropped: bool = False  # still degenerate after every attempt (or failed): delivered, not trained
     failed: bool = False  # every episode of the group failed (``RolloutError``): no trajectories
@@ -100,6 +102,16 @@ class GroupProducer:
         self.bonus_coef = bonus.coef if bonus.enabled else 0.0
         f = po.advantage.degenerate_group_filter
         self.filter, self.min_std, self.attempts = f.enabled, f.min_reward_std, f.resample_attempts
+        # In sync mode the weights cannot change while a step's groups are generated, so a degenerate group's
+        # resample attempts start together instead of one after the other: attempt k is the same episodes
+        # (same seeds, same weights) either way, the first informative one is kept as before, and the later
+        # ones are cancelled (``rollout/speculative_trajectories``). The step no longer waits for attempts in
+        # series at its tail, where the engine runs few requests. Not with a judge or a teacher (an attempt
+        # not kept would still cost their calls), nor in the async modes (an attempt takes the weights of
+        # the moment it starts).
+        self.concurrent_resamples = (cfg.rollout.mode == "sync" and self.attempts > 1
+                                     and getattr(rollouter, "rewards", None) is None
+                                     and getattr(rollouter, "score", None) is None)
 
     def _degenerate(self, group: Group) -> bool:
         return degenerate_groups([group.rewards], min_reward_std=self.min_std)[0][0]
@@ -107,30 +119,37 @@ class GroupProducer:
     def _shape(self, group: Group) -> dict[str, float]:
         return add_diversity_bonus([group], self.bonus_coef) if self.bonus_coef > 0 else {}
 
-    async def _rollouts(self, task: Task, size: int, seed: int) -> tuple[Group, bool]:
-        """The group, its rewards settled by the reward loop when a judge scores rubrics (``tether.reward``): True
-        when a judge failure drops it (``reward.on_judge_failure: drop_group``)."""
-        group = await self.rollouter.group(task, size, seed)
-        rewards = getattr(self.rollouter, "rewards", None)  # a rollouter without a reward loop: rewards are final
-        return group, rewards is not None and rewards.settle(group.trajectories)
-
     async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
-        group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step))
+        group = await self.rollouter.group(task, size, step_seed(self.seed, step))
         out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
         out.first_degenerate = degenerate = self._degenerate(group)
         out.first_rewards = list(group.rewards)
         out.any_success = any(t.success for t in group.trajectories)
-        while (degenerate and self.filter and not judge_dropped
-               and resample_or_drop(out.resampled, self.attempts) == "resample"):
-            out.resampled += 1
-            seed = episode_seed(self.seed, f"resample:{step}:{index}", out.resampled)
-            group, judge_dropped = await self._rollouts(task, size, seed)
-            out.group, out.bonus = group, self._shape(group)
-            out.resampled_trajectories += size
-            out.any_success |= any(t.success for t in group.trajectories)
-            degenerate = self._degenerate(group)
-        out.dropped = (degenerate and self.filter) or judge_dropped
+        ahead = {}  # attempt -> its rollouts, started together (see ``concurrent_resamples``)
+        if degenerate and self.filter and self.concurrent_resamples:
+            ahead = {k: asyncio.ensure_future(self.rollouter.group(task, size, self._resample_seed(step, index, k)))
+                     for k in range(1, self.attempts + 1)}
+        try:
+            while degenerate and self.filter and resample_or_drop(out.resampled, self.attempts) == "resample":
+                out.resampled += 1
+                k = out.resampled
+                seed = self._resample_seed(step, index, k)
+                group = await (ahead.pop(k) if k in ahead else self.rollouter.group(task, size, seed))
+                out.group, out.bonus = group, self._shape(group)
+                out.resampled_trajectories += size
+                out.any_success |= any(t.success for t in group.trajectories)
+                degenerate = self._degenerate(group)
+        finally:  # attempts started ahead and not needed: an earlier one was informative
+            for unused in ahead.values():
+                unused.cancel()
+            out.speculative_trajectories = size * len(ahead)
+            if ahead:
+                await asyncio.gather(*ahead.values(), return_exceptions=True)
+        out.dropped = degenerate and self.filter
         return out
+
+    def _resample_seed(self, step: int, index: int, attempt: int) -> int:
+        return episode_seed(self.seed, f"resample:{step}:{index}", attempt)
 
 
 def record_production_metrics(batch: list[Produced], normalization: Normalization = "group") -> None:
@@ -145,6 +164,7 @@ def record_production_metrics(batch: list[Produced], normalization: Normalizatio
     record_metric("rollout/generated_trajectories", sum(p.first_trajectories for p in batch), "sum")
     record_metric("rollout/resampled_groups", sum(p.resampled for p in batch), "sum")
     record_metric("rollout/resampled_trajectories", sum(p.resampled_trajectories for p in batch), "sum")
+    record_metric("rollout/speculative_trajectories", sum(p.speculative_trajectories for p in batch), "sum")
     record_metric("rollout/dropped_groups", sum(p.dropped for p in batch), "sum")
     record_metric("rollout/failed_groups", sum(p.failed for p in batch), "sum")
     for key, name in (("diversity_bonus_mean", "reward/diversity_bonus_mean"),
