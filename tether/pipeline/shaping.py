@@ -2,7 +2,9 @@
 
 A group is produced in one place, the same way in every ``rollout.mode`` (``GroupProducer.produce``):
 
-1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task).
+1. **Rollouts**: ``size`` episodes of the task, seeded by (run seed, step, task). With an LLM judge their rubric
+   scores come from the reward loop (``tether.reward``) and a judge failure in the group is settled by
+   ``reward.on_judge_failure``: drop_group delivers the group marked ``dropped`` (not resampled, not trained).
 2. **Diversity bonus** (``exploration.diversity_bonus``): each successful trajectory gets coef / (successful
    trajectories of its group with the same strategy) added to its reward, so a group that solved the task
    in k distinct ways earns k·coef between them (``tether.algo.diversity``: the strategy is the sequence of
@@ -119,22 +121,31 @@ class GroupProducer:
     def _shape(self, group: Group) -> dict[str, float]:
         return add_diversity_bonus([group], self.bonus_coef) if self.bonus_coef > 0 else {}
 
+    async def _rollouts(self, task: Task, size: int, seed: int) -> tuple[Group, bool]:
+        """The group, its rewards settled by the reward loop when a judge scores rubrics (``tether.reward``): True
+        when a judge failure drops it (``reward.on_judge_failure: drop_group``)."""
+        group = await self.rollouter.group(task, size, seed)
+        rewards = getattr(self.rollouter, "rewards", None)  # a rollouter without a reward loop: rewards are final
+        return group, rewards is not None and rewards.settle(group.trajectories)
+
     async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
-        group = await self.rollouter.group(task, size, step_seed(self.seed, step))
+        group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step))
         out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
         out.first_degenerate = degenerate = self._degenerate(group)
         out.first_rewards = list(group.rewards)
         out.any_success = any(t.success for t in group.trajectories)
         ahead = {}  # attempt -> its rollouts, started together (see ``concurrent_resamples``)
-        if degenerate and self.filter and self.concurrent_resamples:
-            ahead = {k: asyncio.ensure_future(self.rollouter.group(task, size, self._resample_seed(step, index, k)))
+        if degenerate and self.filter and not judge_dropped and self.concurrent_resamples:
+            ahead = {k: asyncio.ensure_future(self._rollouts(task, size, self._resample_seed(step, index, k)))
                      for k in range(1, self.attempts + 1)}
         try:
-            while degenerate and self.filter and resample_or_drop(out.resampled, self.attempts) == "resample":
+            while (degenerate and self.filter and not judge_dropped
+                   and resample_or_drop(out.resampled, self.attempts) == "resample"):
                 out.resampled += 1
                 k = out.resampled
                 seed = self._resample_seed(step, index, k)
-                group = await (ahead.pop(k) if k in ahead else self.rollouter.group(task, size, seed))
+                attempt = ahead.pop(k) if k in ahead else self._rollouts(task, size, seed)
+                group, judge_dropped = await attempt
                 out.group, out.bonus = group, self._shape(group)
                 out.resampled_trajectories += size
                 out.any_success |= any(t.success for t in group.trajectories)
@@ -145,7 +156,7 @@ class GroupProducer:
             out.speculative_trajectories = size * len(ahead)
             if ahead:
                 await asyncio.gather(*ahead.values(), return_exceptions=True)
-        out.dropped = degenerate and self.filter
+        out.dropped = (degenerate and self.filter) or judge_dropped
         return out
 
     def _resample_seed(self, step: int, index: int, attempt: int) -> int:
