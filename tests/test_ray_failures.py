@@ -46,7 +46,8 @@ def test_killing_the_rollout_actor_mid_run_requeues_its_groups_and_trains_each_o
     from tether.distributed.ray_backend import train_on_ray
 
     run_dir = tmp_path / "run"
-    cfg = _cfg(tmp_path, tiny_model, "rollout.mode=fully_async", "trainer.total_steps=4", "trainer.save_every=4")
+    cfg = _cfg(tmp_path, tiny_model, "rollout.mode=fully_async", "trainer.total_steps=4", "trainer.save_every=4",
+               "ray.weight_bucket_mb=0.1")  # 0.54 MiB of weights: several buckets (1 at the default 256 MiB)
     actors: dict = {}
     killed: dict = {}
 
@@ -79,6 +80,7 @@ def test_killing_the_rollout_actor_mid_run_requeues_its_groups_and_trains_each_o
     assert last["queue/total_produced"] == (last["queue/total_consumed"] + last["queue/dropped_samples"]
                                            + last["queue/stale_samples"] + last["queue/queued_samples"])
     assert last["queue/total_consumed"] == 4 * 8 and last["queue/dropped_samples"] == 0
+    assert all(r["perf/weight_sync_buckets"] > 1 for r in rows[1:])  # the demo test: 1 bucket at the default
 
 
 @pytest.mark.slow

@@ -54,9 +54,11 @@ class EventLog(MetricsRecorder):
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RunConfig, model_dir: str):
+    def __init__(self, cfg: RunConfig, model_dir: str, env: dict[str, str]):
+        from tether.distributed.envvars import apply_env
         from tether.runtime import Runtime
 
+        apply_env(env)  # before anything reads a key or a TETHER_* variable
         self.events = EventLog()
         set_recorder(self.events)
         self.rt = Runtime.build(cfg, model_dir)
@@ -127,7 +129,11 @@ class QueueWorker:
 
 
 class TrainerWorker:
-    def __init__(self, cfg: RunConfig, model_dir: str, rollout: Any, queue_options: dict[str, Any]):
+    def __init__(self, cfg: RunConfig, model_dir: str, rollout: Any, queue_options: dict[str, Any],
+                 env: dict[str, str]):
+        from tether.distributed.envvars import apply_env
+
+        apply_env(env)
         self.cfg, self.model_dir, self.rollout, self.queue_options = cfg, model_dir, rollout, queue_options
 
     def train(self, run_dir: str, resume: bool, show_progress: bool, allow_config_change: tuple[str, ...]) -> Any:

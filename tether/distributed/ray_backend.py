@@ -6,8 +6,9 @@ runs the trainer actor to the end and stops everything it started.
       └─ TrainerWorker  in trainer_pool  (tether.pipeline.trainer.train with the remote parts)
             └─ QueueWorker (async modes: the MessageQueue, started by the trainer, no reserved resources)
 
-Every actor gets the variables of ``envvars.actor_env_vars`` in its runtime environment, and the driver checks
-that the rollouter actor sees each of them before the run starts (the source document's 401 case). A trainer actor
+Every actor is given the variables of ``envvars.actor_env_vars`` (the values as constructor arguments, never in
+a Ray runtime environment, whose values Ray logs), and the driver checks that each actor sees every one of them
+before the run starts (the source document's 401 case). A trainer actor
 that dies stops the run: ``TrainerActorFailed`` names the last complete checkpoint (checkpoints are written to a
 temporary folder and renamed, so a kill never leaves a torn one) and ``--resume`` continues from it, exactly once
 (``pipeline/ledger.py``). The run directory must be visible to the trainer actor: on a multi-node cluster, a
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import RunConfig
-from tether.distributed.envvars import actor_env_vars
+from tether.distributed.envvars import actor_env_vars, runtime_env
 from tether.distributed.placement import Pools, reserve_pools
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def connect(cfg: RunConfig) -> bool:
 
 def _options(pool: Any, pools: Pools, name: str, env: dict[str, str], **extra: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"num_cpus": pool.num_cpus, "scheduling_strategy": pools.strategy(name),
-                            "runtime_env": {"env_vars": env}, **extra}
+                            "runtime_env": runtime_env(env), **extra}
     if pool.num_gpus:
         opts["num_gpus"] = pool.num_gpus
     return opts
@@ -65,7 +66,7 @@ def start_rollout_worker(cfg: RunConfig, model_dir: str, pools: Pools, env: dict
 
     return ray.remote(RolloutWorker).options(
         **_options(cfg.resource_pool.rollout_pool, pools, "rollout", env, max_restarts=cfg.ray.max_actor_restarts,
-                   max_task_retries=0, max_concurrency=1000)).remote(cfg, model_dir)
+                   max_task_retries=0, max_concurrency=1000)).remote(cfg, model_dir, env)
 
 
 def check_env(actor: Any, env: dict[str, str]) -> None:
@@ -74,9 +75,9 @@ def check_env(actor: Any, env: dict[str, str]) -> None:
 
     seen = ray.get(actor.env_present.remote(sorted(env)))
     missing = [k for k, ok in seen.items() if not ok]
-    if missing:  # cannot happen while runtime_env works; if it does, say so before a request gets a 401
+    if missing:  # cannot happen while apply_env works; if it does, say so before a request gets a 401
         raise RuntimeError(f"an actor ({actor}) does not see environment variable(s) {', '.join(missing)} although "
-                           "they were passed in its runtime_env; check the cluster's runtime_env support")
+                           "they were handed to it")
 
 
 def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
@@ -103,7 +104,7 @@ def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, m
         actors.append(rollout)
         trainer: Any = ray.remote(TrainerWorker).options(  # both start at once: each loads torch and the model
             **_options(cfg.resource_pool.trainer_pool, pools, "trainer", env, max_restarts=0)
-        ).remote(cfg, path, rollout, {"runtime_env": {"env_vars": env}})
+        ).remote(cfg, path, rollout, {"runtime_env": runtime_env(env)}, env)
         actors.append(trainer)
         for actor in actors:
             check_env(actor, env)

@@ -78,15 +78,28 @@ class RolloutHandle:
         if push is not None:
             await self.actor.update_weights.remote(push.token, push.version, push.refs)
 
-    def wait_alive(self) -> None:
-        """Block until the actor answers again (restarted), counting the restart; ``RolloutActorLost`` when dead."""
+    def wait_alive(self, timeout_s: float = 600.0) -> None:
+        """Block until the actor answers again (restarted), counting the restart. ``RolloutActorLost`` once Ray
+        will not restart it: it died with its restarts spent (the ones seen here), or did not come back in time."""
         import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-        try:
-            pid = ray.get(self.actor.stats.remote(), timeout=300)["pid"]
-        except _actor_errors() as e:
-            raise RolloutActorLost(f"the rollouter actor died and was not restarted (ray.max_actor_restarts = "
-                                   f"{self.max_restarts} restarts spent): {e}") from e
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pid = ray.get(self.actor.stats.remote(), timeout=60)["pid"]
+                break
+            except (ActorUnavailableError, GetTimeoutError):  # restarting: loading the model again
+                error: BaseException | None = None
+            except RayActorError as e:  # dead: for good once its restarts are spent
+                if self.restarts >= self.max_restarts:
+                    raise RolloutActorLost(f"the rollouter actor died and was not restarted (ray.max_actor_restarts = "
+                                           f"{self.max_restarts} restarts spent): {e}") from e
+                error = e
+            if time.monotonic() > deadline:
+                raise RolloutActorLost(f"the rollouter actor did not come back within {timeout_s:.0f} s "
+                                       f"(ray.max_actor_restarts = {self.max_restarts}): {error}")
+            time.sleep(0.5)
         self.note_pid(pid)
 
     def note_pid(self, pid: int) -> None:
