@@ -257,6 +257,12 @@ class Run:
                                   score=None if teacher is None else functools.partial(score_trajectory, teacher),
                                   rewards=rt.rewards)
             if parts is not None:  # backend: ray — the episodes run in the rollouter actor (tether.distributed)
+                if rt.rewards is not None:
+                    raise NotImplementedError("environment.verifier.judge: llm with backend: ray is not built yet "
+                                              "(the rollouter actor would run the reward loop); use backend: local")
+                if teacher is not None:  # the hook: the RolloutWorker would build the teacher and score with it
+                    raise NotImplementedError("a teacher with backend: ray is not built yet (tether/distributed/"
+                                              "actors.py, RolloutWorker); use backend: local")
                 rollouter = parts.rollouter()
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
