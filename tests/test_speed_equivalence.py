@@ -17,6 +17,7 @@ from test_learner import advantages, make_cfg, make_trajectories
 from tether.agent import chat
 from tether.config import RunConfig
 from tether.learner import learner as learner_module
+from tether.learner import logits as logits_module
 from tether.learner.learner import Learner, token_logits
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.types import Group, Task, Trajectory
@@ -95,6 +96,71 @@ def test_learner_step_equals_the_full_logits_step(base_model, monkeypatch, corre
     slow = one_step(base_model, cfg, trajs)
     assert_same(fast, slow)
     assert fast[1]["optim/kl_divergence"] == 0.0  # policy = reference before the update
+
+
+def with_shared_prompt(trajs, n=24, seed=7):
+    """Every trajectory's prompt starts with the same ``n`` tokens (a system prompt and tool list)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randint(0, 512, (n,), generator=g).tolist()
+    for t in trajs:
+        t.prompt_ids = common + t.prompt_ids
+    return trajs
+
+
+def test_shared_prefix_forward_has_the_plain_logits_and_gradients(base_model):
+    g = torch.Generator().manual_seed(1)
+    common = torch.randint(0, 512, (30,), generator=g)
+    ids = torch.cat([common.expand(4, -1), torch.randint(0, 512, (4, 12), generator=g)], dim=1)  # [4, 42]
+    mask = torch.ones(4, 42, dtype=torch.long)
+    mask[1, 36:] = mask[3, 33:] = 0  # right padding
+    sel = torch.zeros(4, 41, dtype=torch.bool)
+    sel[:, 28:] = True  # the last two prefix positions too: their logits predict the rows' own tokens
+    sel &= mask[:, 1:].bool()
+    assert logits_module.shared_prefix(ids, mask) == 30
+    grads = []
+    for fn in (token_logits, full_logits):
+        model = copy.deepcopy(base_model)
+        logits = fn(model, ids, mask, sel)
+        logits.logsumexp(-1).sum().backward()
+        grads.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=0)
+    for name, grad in grads[1][1].items():
+        torch.testing.assert_close(grads[0][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prefix_length():
+    ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 9, 0], [1, 2, 3, 4, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]])
+    assert logits_module.shared_prefix(ids, mask) == 3
+    assert logits_module.shared_prefix(ids[[0, 2]], mask[[0, 2]]) == 3  # row 2 keeps one token of its own
+    assert logits_module.shared_prefix(ids[:1], mask[:1]) == 0  # one row: nothing to share
+
+
+@pytest.mark.parametrize("correction", ["none", "double_sided_importance_sampling"])
+def test_learner_step_with_a_shared_prompt_equals_the_plain_step(base_model, monkeypatch, correction):
+    # The gradients are compared, not the weights after Adam: its first step is ≈ lr · sign(g), and a weight whose
+    # gradient is ~1e-9 flips sign with float rounding (a different summation order in the prefix's backward).
+    trajs = stale_behaviour(with_shared_prompt(make_trajectories(8, seed=5)))
+    cfg = make_cfg(accum=2, correction=correction, tis=True, entropy_coef=0.01)
+    runs = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(learner_module, "token_logits", full_logits)
+        learner = Learner(copy.deepcopy(base_model), None, cfg)
+        seen, update = [], learner.optimizer.update
+
+        def spy(update=update, seen=seen, learner=learner, **kwargs):
+            seen.append({n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None})
+            return update(**kwargs)
+
+        learner.optimizer.update = spy
+        runs.append((learner.train_step(copy.deepcopy(trajs), advantages(8)), seen[0]))
+    (m_fast, g_fast), (m_slow, g_slow) = runs
+    assert g_fast.keys() == g_slow.keys() and any(g.abs().max() > 1e-3 for g in g_slow.values())
+    for name in g_slow:
+        torch.testing.assert_close(g_fast[name], g_slow[name], atol=1e-6, rtol=1e-4)
+    for key in ("optim/loss", "optim/entropy", "optim/kl_divergence", "optim/is_ratio_mean", "optim/grad_norm"):
+        assert m_fast[key] == pytest.approx(m_slow[key], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize("mini", [8, 4])

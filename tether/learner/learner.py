@@ -29,6 +29,8 @@ the other mini-batches are scored by one forward without grad before the first u
 Logits are formed only where the loss reads them (``token_logits``): at the positions that predict a model-sampled
 token (loss mask 1), through the backbone's hidden states and the LM head. Prompt, tool and user tokens still go
 through the layers (they are the context) but never through the [·, V] head, its log-softmax or their backward.
+The leading tokens that every row of a micro-batch shares (the system prompt and tool list; a group's whole prompt)
+go through the layers once, as a batch of one whose keys and values the rows attend to (``shared_prefix``).
 
 where every ``agg`` divides by the *whole mini-batch's* denominator (``tether.algo.loss_denominator`` summed over
 its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch.
@@ -70,7 +72,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from tether.algo import (
     PolicyLossFn,
@@ -86,6 +87,7 @@ from tether.algo.kl_control import exceeds_max_kl, kl_controller
 from tether.config import RunConfig
 from tether.learner.batch import TrainBatch
 from tether.learner.detach import make_worker
+from tether.learner.logits import token_logits
 from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
 from tether.learner.ranks import Ranks, full_tensor
@@ -322,25 +324,6 @@ class Learner:
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
         return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
-
-
-def token_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 sel: torch.Tensor) -> torch.Tensor:
-    """The logits that predict ``input_ids[:, 1:][sel]``, [n, V]: the backbone's hidden states at the selected
-    positions through the LM head. The loss reads only the model-sampled tokens, so the [b, T, V] logits of the
-    prompt and tool tokens (and their log-softmax, entropy and backward), most of a forward's work at a small
-    model's vocabulary, are never formed. Models whose head does more than a linear map (logit soft-capping or
-    scaling) take the plain path: full logits, then the same positions."""
-    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    plain_head = not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
-    sharded = isinstance(model, FSDPModule)  # FSDP2 gathers the root's weights (embeddings, head) in its forward only
-    if backbone is None or backbone is model or not isinstance(head, torch.nn.Linear) or not plain_head or sharded:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return logits[:, :-1][sel]
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return head(hidden[:, :-1][sel])  # [n, V]
 
 
 def _scatter(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:

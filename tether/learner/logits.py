@@ -1,0 +1,72 @@
+"""The logits a policy loss reads, and no others: ``token_logits``.
+
+The loss of a trajectory reads the logits that predict its model-sampled tokens (loss mask 1) and nothing else, and
+in an agentic rollout most tokens are not those: the system prompt, the tool list, tool results, the user's turns.
+So the backbone runs over every token (they are the context) but only the selected positions go through the LM
+head, its log-softmax, entropy and their backward. And the leading tokens that every row of a micro-batch shares
+(the system prompt and tool list of every episode; the whole prompt of one group's episodes) run through the
+layers once, as a batch of one whose keys and values the rows attend to. Both are the plain forward's arithmetic
+on fewer positions: the logits and gradients agree with it to float rounding (``tests/test_speed_equivalence.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+def token_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sel: torch.Tensor) -> torch.Tensor:
+    """The logits that predict ``input_ids[:, 1:][sel]``, [n, V]: the backbone's hidden states at the selected
+    positions through the LM head. The loss reads only the model-sampled tokens, so the [b, T, V] logits of the
+    prompt and tool tokens (and their log-softmax, entropy and backward), most of a forward's work at a small
+    model's vocabulary, are never formed. Models whose head does more than a linear map (logit soft-capping or
+    scaling) take the plain path: full logits, then the same positions."""
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    plain_head = not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+    sharded = isinstance(model, FSDPModule)  # FSDP2 gathers the root's weights (embeddings, head) in its forward only
+    if backbone is None or backbone is model or not isinstance(head, torch.nn.Linear) or not plain_head or sharded:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return logits[:, :-1][sel]
+    prefix = shared_prefix(input_ids, attention_mask)
+    if prefix >= MIN_SHARED_PREFIX and getattr(config, "model_type", None) in SHARED_PREFIX_MODELS:
+        hidden = _hidden_with_shared_prefix(backbone, input_ids, attention_mask, prefix)  # [b, T, D]
+    else:
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return head(hidden[:, :-1][sel])  # [n, V]
+
+
+MIN_SHARED_PREFIX = 16  # tokens; below this a shared prefix is not worth a second forward call
+SHARED_PREFIX_MODELS = ("llama", "qwen2", "qwen3")  # decoders whose cache and position handling is checked by tests
+
+
+def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading tokens every row has in common (unpadded), leaving each row at least one of its own:
+    the system prompt and tool list of every episode, the whole prompt of a group's episodes."""
+    if input_ids.shape[0] < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(dim=0) & attention_mask.bool().all(dim=0)  # [T]
+    run = int(same.long().cumprod(dim=0).sum())
+    return max(0, min(run, int(attention_mask.sum(dim=1).min()) - 1))
+
+
+def _hidden_with_shared_prefix(backbone: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               prefix: int) -> torch.Tensor:
+    """The backbone's hidden states [b, T, D] with the rows' common first ``prefix`` tokens computed once.
+
+    The prefix runs as a batch of one; its keys and values, repeated per row, are the cache the rows' own tokens
+    attend to (positions continue at ``prefix``). Gradients flow through that cache and the prefix's hidden states
+    into the one prefix forward, so the loss and its gradient are those of the plain forward (to float rounding;
+    ``tests/test_speed_equivalence.py``) at a fraction of the work when the prompt is most of each sequence."""
+    b, t = input_ids.shape
+    out = backbone(input_ids=input_ids[:1, :prefix], use_cache=True)
+    cache = out.cache
+    cache.batch_repeat_interleave(b)
+    positions = torch.arange(prefix, t, device=input_ids.device)
+    rest = backbone(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, cache=cache, use_cache=True,
+                    position_ids=positions[None].expand(b, -1), cache_position=positions).last_hidden_state
+    return torch.cat([out.last_hidden_state.expand(b, -1, -1), rest], dim=1)
