@@ -228,13 +228,15 @@ def attach(timers: Timers, model_config: Any) -> None:
 
     model_mod.load_model_and_tokenizer = load_and_time  # type: ignore[assignment]
 
-    def m_score(self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-        lens = seq_lengths(batch)
-        timers.count("pi_prox scoring", fl.forward(sum(lens), causal_pairs(lens), sum(lens)), sum(lens))
+    def m_score(self: Any, batch: Any, device: Any = None, skip: int = 0, **kwargs: Any) -> None:
+        lens = seq_lengths(batch)[skip:]
+        n_loss = int(batch.loss_mask[skip:, 1:].sum())
+        timers.count("pi_prox scoring", fl.forward(sum(lens), causal_pairs(lens), n_loss), sum(lens))
 
     def m_micro(self: Any, mb: Any, *args: Any, **kwargs: Any) -> None:
-        lens = seq_lengths(mb)
-        f = fl.forward(sum(lens), causal_pairs(lens), sum(lens))
+        # useful FLOPs: every token through the layers, logits only where the loss reads them (loss mask 1)
+        lens, n_loss = seq_lengths(mb), int(mb.loss_mask[:, 1:].sum())
+        f = fl.forward(sum(lens), causal_pairs(lens), n_loss)
         timers.count("forward", f, sum(lens), rows=sum(lens))
         timers.count("backward", 2 * f, sum(lens), rows=sum(lens))
         if getattr(self, "ref_model", None) is not None:
@@ -267,5 +269,21 @@ def attach(timers: Timers, model_config: Any) -> None:
         ref = getattr(self, "ref_model", None)
         if ref is not None:  # the instance's forward: nested inside the loss, so its time is its own
             timers.wrap(ref, "forward", "reference forward")
+            ref._stage_reference = True  # for token_logits, which calls the backbone and the head directly
 
     L.__init__ = init  # type: ignore[method-assign]
+    token_logits = getattr(learner_mod, "token_logits", None)
+    if token_logits is not None and not getattr(token_logits, "_stage_timed", False):
+
+        @functools.wraps(token_logits)
+        def logits_of(model: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(model, "_stage_reference", False):
+                return token_logits(model, *args, **kwargs)
+            timers.enter()
+            try:
+                return token_logits(model, *args, **kwargs)
+            finally:
+                timers.leave("reference forward")
+
+        logits_of._stage_timed = True  # type: ignore[attr-defined]
+        learner_mod.token_logits = logits_of

@@ -1,0 +1,158 @@
+"""Wall-clock from the demo's SFT checkpoint to held-out success ≥ 75 %, evaluation time excluded.
+
+    python benchmarks/time_to_target.py [--seeds 0 1 2] [--steps 16] [--eval-every 2] [--model DIR] [--threads 2]
+    python benchmarks/time_to_target.py --combine a.json b.json c.json     # one summary of separate runs
+
+The demo's RL phase (examples/customer_service/config.yaml, sync mode, 8 tasks × 8 rollouts) from its SFT
+checkpoint (``--model``; default: the ``tiny-sft`` preset of seed 0, so every RL seed starts from the same
+weights), for ``--steps`` steps with held-out evaluation (the environment's eval tasks, greedy) every
+``--eval-every`` steps. The training clock runs from the end of the step-0 evaluation and stops while an
+evaluation runs; the time to target is the training clock at the first evaluated step whose success is at least
+``--target`` (so it is resolved to ``--eval-every`` steps). Evaluation time is reported separately, and so is
+the process CPU time over the same span (what the clock would read on idle cores with one thread, when other
+programs share the machine).
+
+Per seed: time to target (wall, CPU), evaluation seconds, held-out success at every evaluation and at the last
+step. The last line is ``time to 75% = X s (median of 3 seeds)`` ("not reached" counts as infinite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "customer_service" / "config.yaml"
+
+
+class Clock:
+    """Training wall and CPU seconds, paused during evaluation (wraps ``Run.eval``)."""
+
+    def __init__(self) -> None:
+        self.start: tuple[float, float] | None = None  # (wall, cpu) at the end of the step-0 evaluation
+        self.paused = (0.0, 0.0)  # evaluation time since start
+        self.evals: list[dict[str, float]] = []
+
+    def now(self) -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def train_time(self, at: tuple[float, float]) -> tuple[float, float]:
+        assert self.start is not None
+        return at[0] - self.start[0] - self.paused[0], at[1] - self.start[1] - self.paused[1]
+
+
+def instrument(clock: Clock) -> None:
+    from tether.pipeline import build
+
+    evaluate = build.Run.eval
+
+    @functools.wraps(evaluate)
+    def timed_eval(self: Any, step: int) -> dict[str, float]:
+        t0 = clock.now()
+        train = clock.train_time(t0) if clock.start is not None else (0.0, 0.0)
+        metrics = evaluate(self, step)
+        t1 = clock.now()
+        if clock.start is None:
+            clock.start = t1
+        else:
+            clock.paused = (clock.paused[0] + t1[0] - t0[0], clock.paused[1] + t1[1] - t0[1])
+        clock.evals.append({"step": step, "success": float(metrics.get("eval/success_rate", math.nan)),
+                            "train_wall_s": train[0], "train_cpu_s": train[1], "eval_wall_s": t1[0] - t0[0]})
+        return metrics
+
+    build.Run.eval = timed_eval  # type: ignore[method-assign]
+
+
+def run_seed(seed: int, model: str, steps: int, every: int, target: float, overrides: list[str]) -> dict[str, Any]:
+    from tether.config import load_config
+    from tether.pipeline.trainer import train
+
+    cfg = load_config([DEMO], [f"trainer.seed={seed}", f"trainer.total_steps={steps}", f"trainer.eval_every={every}",
+                               f"trainer.save_every={steps}", "metrics.tensorboard=false", *overrides])
+    clock = Clock()
+    instrument(clock)
+    with tempfile.TemporaryDirectory() as tmp:
+        train(cfg, Path(tmp) / "run", model_dir=model, show_progress=False)
+    hit = next((e for e in clock.evals if e["step"] > 0 and e["success"] >= target), None)
+    return {"seed": seed, "evals": clock.evals, "target": target,
+            "time_to_target_s": hit["train_wall_s"] if hit else math.inf,
+            "cpu_to_target_s": hit["train_cpu_s"] if hit else math.inf,
+            "step_to_target": hit["step"] if hit else None,
+            "eval_s": sum(e["eval_wall_s"] for e in clock.evals),
+            "train_s": clock.evals[-1]["train_wall_s"], "train_cpu_s": clock.evals[-1]["train_cpu_s"],
+            "final_success": clock.evals[-1]["success"],
+            "final_step": clock.evals[-1]["step"]}
+
+
+def summarise(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        curve = " ".join(f"{e['step']}:{e['success']:.0%}" for e in r["evals"])
+        when = (f"{r['time_to_target_s']:.0f} s wall / {r['cpu_to_target_s']:.0f} s CPU (step {r['step_to_target']})"
+                if r["step_to_target"] else "not reached")
+        lines.append(f"seed {r['seed']}: to {r['target']:.0%}: {when}; held-out success at step {r['final_step']}: "
+                     f"{r['final_success']:.1%}; training {r['train_s']:.0f} s "
+                     f"({r['evals'][-1]['train_cpu_s']:.0f} s CPU), "
+                     f"evaluation {r['eval_s']:.0f} s; "
+                     f"curve {curve}")
+    times = [r["time_to_target_s"] for r in results]
+    cpu = [r["cpu_to_target_s"] for r in results]
+    med = statistics.median(times)
+    lines.append(f"CPU time to target (median): {statistics.median(cpu):.0f} s; held-out success at the last step: "
+                 + ", ".join(f"{r['final_success']:.1%}" for r in results))
+    shown = f"{med:.0f}" if math.isfinite(med) else "not reached"
+    lines.append(f"time to {results[0]['target']:.0%} = {shown} s (median of {len(results)} seeds)")
+    return "\n".join(lines)
+
+
+def default_model() -> str:
+    from tether.config import load_config
+    from tether.runtime import model_path
+
+    return model_path(load_config([DEMO], ["trainer.seed=0"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.75)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="SFT checkpoint (HF folder); default: the tiny-sft preset")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
+    ap.add_argument("--json", type=Path, default=None, help="write the per-seed results here")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None, help="summarise --json files of earlier runs")
+    args = ap.parse_args()
+    if args.combine:
+        print(summarise([r for path in args.combine for r in json.loads(path.read_text())]))
+        return
+    torch.set_num_threads(args.threads)
+    import tether
+
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"tether from {Path(tether.__file__).parent}; threads {args.threads}; load: {load}", flush=True)
+    model = args.model or default_model()
+    results = []
+    for seed in args.seeds:
+        results.append(run_seed(seed, model, args.steps, args.eval_every, args.target, args.overrides))
+        print(summarise(results[-1:]).splitlines()[0], flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    print(summarise(results), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
