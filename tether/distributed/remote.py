@@ -11,9 +11,10 @@
 token 0). Every call that was in flight fails with ``RayActorError``; ``RemoteRollouter`` makes the same call
 again — the same task, step, index and seed, so the same group — once the actor is back and has caught up to the
 latest weights. The producer and its ledger (``pipeline/ledger.py``) never see the failure, so each group still
-reaches the queue, and the trainer, exactly once; ``ray/requeued_calls`` counts the calls made again and
-``ray/actor_restarts`` the restarts. When the restarts are spent, ``RolloutActorLost`` ends the run like any
-failure of the rollouter (the last checkpoint stands; ``--resume`` continues).
+reaches the queue, and the trainer, exactly once; ``ray/requeued_calls`` counts the calls made again,
+``ray/actor_restarts`` the restarts and ``ray/weight_catch_ups`` the pushes sent again to an actor that lacked the
+latest weights (a new incarnation, or a push cut short). When the restarts are spent, ``RolloutActorLost`` ends the
+run like any failure of the rollouter (the last checkpoint stands; ``--resume`` continues).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class RolloutHandle:
             try:
                 ray.get(self.actor.update_weights.remote(push.token, push.version, push.refs))
                 return
-            except _actor_errors():  # the new incarnation gets this push on the next attempt
+            except _actor_errors():  # the new incarnation gets this push on the next attempt: it catches up
                 self.wait_alive()
+                record_metric("ray/weight_catch_ups", 1, "sum")
 
     async def catch_up(self) -> None:
         """Send the latest push (the actor ignores one it already holds)."""
