@@ -67,6 +67,17 @@ def test_reward_up_while_success_flat():
     learning = [{"reward/mean": r, "rollout/success_rate": s}
                 for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.6), (0.4, 0.6)]]
     assert run_rows(Monitors(cfg(trend_window=4)), learning) == []
+    # the rise of the first case while the flagged fraction falls 0.3 → 0.1: the penalties shrink, no alarm
+    unlearning = [{**r, "monitor/hacking_flag_rate": f} for r, f in zip(rows, (0.3, 0.3, 0.1, 0.1))]
+    assert run_rows(Monitors(cfg(trend_window=4)), unlearning) == []
+
+
+def test_a_rising_flag_rate_is_hacking_a_high_one_from_the_start_is_not():
+    rising = [{"monitor/hacking_flag_rate": f} for f in (0.05, 0.05, 0.2, 0.2)]  # +0.15 ≥ hacking_rate_rise 0.1
+    assert run_rows(Monitors(cfg(trend_window=4)), rising) == [(4, "hacking/flags")]
+    high = [{"monitor/hacking_flag_rate": f} for f in (0.4, 0.4, 0.35, 0.3)]  # a warm-started policy's flags falling
+    assert run_rows(Monitors(cfg(trend_window=4)), high) == []
+    assert run_rows(Monitors(cfg(trend_window=4, hacking_rate_rise=0.2)), rising) == []  # the key flipped
 
 
 def traj(calls: list[str], flags: dict[str, int] | None = None) -> Trajectory:
@@ -82,8 +93,8 @@ def test_distinct_strategies_and_hacking_rate_are_measured_from_the_groups():
     m = Monitors(cfg(patience=1))
     found = [f.check for f in m.observe(1, HEALTHY, [same, mixed])]
     assert m.history[-1]["monitor/distinct_strategies"] == pytest.approx((1 + 3) / 2)  # 2.0 ≥ 1.25: holds
-    assert m.history[-1]["monitor/hacking_flag_rate"] == pytest.approx(1 / 8)  # > 0.1: fails
-    assert found == ["hacking/flags"]
+    assert m.history[-1]["monitor/hacking_flag_rate"] == pytest.approx(1 / 8)
+    assert found == []
     assert [f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, [same])] == ["exploration/strategies"]
 
 
@@ -104,11 +115,11 @@ def test_every_threshold_key_flipped_changes_what_fires(key, value, rows, before
     assert [c for _, c in run_rows(Monitors(cfg(**{**base, key: value})), rows)] == after
 
 
-def test_min_distinct_strategies_and_max_hacking_rate_flipped():
-    one = [Group("a", [traj(["query_inventory"], {"repeated_tool_calls": 1}), traj(["query_inventory"])])]
-    assert sorted(f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, one)) == [
-        "exploration/strategies", "hacking/flags"]  # 1 strategy < 1.25; 1 of 2 flagged > 0.1
-    assert Monitors(cfg(patience=1, min_distinct_strategies=1.0, max_hacking_rate=0.5)).observe(1, HEALTHY, one) == []
+def test_min_distinct_strategies_flipped():
+    one = [Group("a", [traj(["query_inventory"]), traj(["query_inventory"])])]
+    assert [f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, one)] == [
+        "exploration/strategies"]  # 1 strategy < 1.25
+    assert Monitors(cfg(patience=1, min_distinct_strategies=1.0)).observe(1, HEALTHY, one) == []
 
 
 def test_the_message_names_the_measurement_the_diagnosis_and_the_remedy_keys():

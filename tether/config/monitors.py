@@ -42,12 +42,15 @@ class MonitorsConfig(Section):
     max_is_masked_fraction: PosFloat = 0.2
     """Shift: the fraction of tokens whose importance ratio falls outside the correction band
     (``optim/is_masked_fraction``) above this means the behaviour policy and the trained one have drifted apart."""
-    max_hacking_rate: PosFloat = 0.1
-    """Hacking: the fraction of trained trajectories with an anti-hacking flag (``monitor/hacking_flag_rate``)
-    above this means the policy is learning a pattern the verifier flags."""
+    hacking_rate_rise: PosFloat = 0.1
+    """Hacking: a rise of the fraction of delivered trajectories with an anti-hacking flag
+    (``monitor/hacking_flag_rate``) of at least this over ``trend_window`` steps (the second half's mean against
+    the first half's) means the policy is learning a pattern the verifier flags. A rise, not a level: a warm-started
+    policy may start with flags that RL then removes."""
     trend_window: PosInt = 8
-    """Hacking: steps over which "reward up while success flat" is judged (the mean of the window's second half
-    against its first half)."""
+    """Hacking: steps over which the flag rate's rise and "reward up while success flat" are judged (the mean of the
+    window's second half against its first half)."""
     reward_rise: PosFloat = 0.1
     """Hacking: a rise of ``reward/mean`` of at least this over ``trend_window`` steps while
-    ``rollout/success_rate`` rises by less than a quarter of it counts as reward up while success is flat."""
+    ``rollout/success_rate`` rises by less than a quarter of it (and the flag rate does not fall) counts as reward up
+    while success is flat."""

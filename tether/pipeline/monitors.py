@@ -13,8 +13,9 @@ measures:
 - **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, or ``optim/is_masked_fraction``
   above ``max_is_masked_fraction``. Remedy: clip_ratio 0.2 → 0.1, token_level_clipping, tis_enabled, target_kl;
   update_frequency, batch_size.
-- **hacking**: flagged trajectories above ``max_hacking_rate``, or reward up while success is flat over
-  ``trend_window`` steps. Remedy: anti_hacking.detect_patterns, a model rubric (verifier.model_based).
+- **hacking**: the flagged fraction rising by ``hacking_rate_rise`` over ``trend_window`` steps, or reward up
+  while success is flat (and the flags not falling) over ``trend_window`` steps. Remedy: anti_hacking.detect_patterns,
+  a model rubric (verifier.model_based).
 
 Each fails when its condition holds for ``monitors.patience`` steps in a row (the thresholds are ``monitors.*``).
 Each check records ``monitor/<check>`` (1 while failing, else 0) every step, plus the two numbers the monitors
@@ -95,19 +96,42 @@ def _entropy_collapse(ratio: float) -> Callable[[Row, deque[Row]], float | None]
     return fails
 
 
-def _reward_without_success(window: int, rise: float) -> Callable[[Row, deque[Row]], float | None]:
-    """The rise of reward/mean over the last ``window`` rows (second half's mean − first half's) when it is at
-    least ``rise`` and success rose by less than a quarter of it."""
-    def fails(_: Row, history: deque[Row]) -> float | None:
-        rows = [r for r in list(history)[-window:] if "reward/mean" in r and "rollout/success_rate" in r]
-        if len(rows) < window:
-            return None
-        half = window // 2
+def _trend(rows: list[Row], key: str) -> float | None:
+    """The mean of ``key`` over the second half of ``rows`` minus its mean over the first (None: not in every row)."""
+    if not all(key in r for r in rows):
+        return None
+    half = len(rows) // 2
+    return sum(r[key] for r in rows[-half:]) / half - sum(r[key] for r in rows[:half]) / half
 
-        def delta(key: str) -> float:
-            first, second = rows[:half], rows[-half:]
-            return sum(r[key] for r in second) / half - sum(r[key] for r in first) / half
-        d_reward, d_success = delta("reward/mean"), delta("rollout/success_rate")
+
+def _window(history: deque[Row], window: int) -> list[Row] | None:
+    rows = list(history)[-window:]
+    return rows if len(rows) == window else None
+
+
+def _flags_rising(window: int, rise: float) -> Callable[[Row, deque[Row]], float | None]:
+    """The rise of the flagged fraction over the last ``window`` rows, when it is at least ``rise``."""
+    def fails(_: Row, history: deque[Row]) -> float | None:
+        rows = _window(history, window)
+        d = None if rows is None else _trend(rows, "monitor/hacking_flag_rate")
+        return d if d is not None and d >= rise else None
+    return fails
+
+
+def _reward_without_success(window: int, rise: float) -> Callable[[Row, deque[Row]], float | None]:
+    """The rise of reward/mean over the last ``window`` rows when it is at least ``rise``, success rose by less than a
+    quarter of it, and the flagged fraction did not fall (a reward that rises because the hacking penalties shrink is
+    the policy unlearning a hack, not learning one)."""
+    def fails(_: Row, history: deque[Row]) -> float | None:
+        rows = _window(history, window)
+        if rows is None:
+            return None
+        d_reward, d_success = _trend(rows, "reward/mean"), _trend(rows, "rollout/success_rate")
+        if d_reward is None or d_success is None:
+            return None
+        d_flags = _trend(rows, "monitor/hacking_flag_rate")
+        if d_flags is not None and d_flags < 0:
+            return None
         return d_reward if d_reward >= rise and d_success < d_reward / 4 else None
     return fails
 
@@ -172,10 +196,10 @@ def checks(cfg: RunConfig) -> list[Check]:
               "distribution shift: the policy that sampled the tokens and the one being trained disagree on many "
               "of them; the off-policy correction discards their gradient", shift,
               _above("optim/is_masked_fraction", m.max_is_masked_fraction), p),
-        Check("hacking/flags", "{value:.0%} of trained trajectories flagged by the anti-hacking detectors > "
-              f"monitors.max_hacking_rate {m.max_hacking_rate:g}",
+        Check("hacking/flags", "the fraction of trajectories flagged by the anti-hacking detectors rose by {value:.0%} "
+              f"over {m.trend_window} steps (monitors.hacking_rate_rise {m.hacking_rate_rise:g})",
               "reward hacking: the policy is learning a pattern the verifier flags (repeated calls, stuffing)",
-              hacking, _above("monitor/hacking_flag_rate", m.max_hacking_rate), p),
+              hacking, _flags_rising(m.trend_window, m.hacking_rate_rise), 1),
         Check("hacking/reward_without_success", "reward/mean up {value:.3g} over " f"{m.trend_window} steps while "
               "rollout/success_rate stayed flat",
               "reward hacking: the reward rises without the task being solved more often — the policy found "
