@@ -18,6 +18,9 @@ Observation (a dict): the configured ``observation_fields`` (e.g. ``last_tool_re
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 Action = dict[str, Any]  # {"name": tool name, "params": {...}}
@@ -49,3 +52,14 @@ class Env(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def run_step(astep: Callable[[Action], Awaitable[StepOutput]], action: Action) -> StepOutput:
+    """``astep(action)`` run to completion for a synchronous caller (an environment's ``step``); called from inside a
+    running event loop, it runs on a helper thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(astep(action))  # type: ignore[arg-type]
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, astep(action)).result()  # type: ignore[arg-type]

@@ -30,18 +30,16 @@ the verifier's reward with its breakdown and the hacking flags in ``info``.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tether.config import EnvironmentConfig, RunConfig
 from tether.env.anti_hacking import HackingDetector, penalty_of, state_digest
-from tether.env.base import Action, Observation, StepOutput
+from tether.env.base import Action, Observation, StepOutput, run_step
 from tether.env.memory import KeepRecentK, TurnRecord, make_memory
 from tether.env.plugin.functions import bind, tool_functions
 from tether.env.plugin.tasks import SPLITS, TaskSource, tasks_from
@@ -217,12 +215,7 @@ class ToolEnv:
 
     # -- stepping -------------------------------------------------------------------------------------
     def step(self, action: Action) -> StepOutput:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.astep(action))
-        with ThreadPoolExecutor(1) as pool:  # called from inside an event loop: run on a helper thread
-            return pool.submit(asyncio.run, self.astep(action)).result()
+        return run_step(self.astep, action)
 
     async def astep(self, action: Action) -> StepOutput:
         ep = self._ep

@@ -44,12 +44,11 @@ import copy
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from tether.env.anti_hacking import HackingDetector, penalty_of
-from tether.env.base import Action, Observation, StepOutput
+from tether.env.base import Action, Observation, StepOutput, run_step
 from tether.env.tau2 import scoring
 from tether.env.tau2._load import load, make_environment, tasks_by_id, tau2_solo
 from tether.env.tau2.user import is_stop
@@ -208,12 +207,7 @@ class Tau2Env:
 
     # -- stepping ---------------------------------------------------------------------------------------
     def step(self, action: Action) -> StepOutput:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.astep(action))
-        with ThreadPoolExecutor(1) as pool:  # called from inside an event loop: run on a helper thread
-            return pool.submit(asyncio.run, self.astep(action)).result()
+        return run_step(self.astep, action)
 
     async def astep(self, action: Action) -> StepOutput:
         ep = self._ep
