@@ -78,6 +78,9 @@ def test_a_rising_flag_rate_is_hacking_a_high_one_from_the_start_is_not():
     high = [{"monitor/hacking_flag_rate": f} for f in (0.4, 0.4, 0.35, 0.3)]  # a warm-started policy's flags falling
     assert run_rows(Monitors(cfg(trend_window=4)), high) == []
     assert run_rows(Monitors(cfg(trend_window=4, hacking_rate_rise=0.2)), rising) == []  # the key flipped
+    # the same rise while reward/mean falls 0.7 → 0.4 (the penalties at work on a policy that got worse): silent
+    worse = [{**r, "reward/mean": m} for r, m in zip(rising, (0.7, 0.7, 0.4, 0.4))]
+    assert run_rows(Monitors(cfg(trend_window=4)), worse) == []
 
 
 def traj(calls: list[str], flags: dict[str, int] | None = None) -> Trajectory:

@@ -45,8 +45,8 @@ class MonitorsConfig(Section):
     hacking_rate_rise: PosFloat = 0.1
     """Hacking: a rise of the fraction of delivered trajectories with an anti-hacking flag
     (``monitor/hacking_flag_rate``) of at least this over ``trend_window`` steps (the second half's mean against
-    the first half's) means the policy is learning a pattern the verifier flags. A rise, not a level: a warm-started
-    policy may start with flags that RL then removes."""
+    the first half's), while ``reward/mean`` does not fall, means the policy is learning a pattern the verifier flags
+    and that pays. A rise, not a level: a warm-started policy may start with flags that RL then removes."""
     trend_window: PosInt = 8
     """Hacking: steps over which the flag rate's rise and "reward up while success flat" are judged (the mean of the
     window's second half against its first half)."""

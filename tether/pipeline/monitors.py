@@ -13,7 +13,8 @@ measures:
 - **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, or ``optim/is_masked_fraction``
   above ``max_is_masked_fraction``. Remedy: clip_ratio 0.2 → 0.1, token_level_clipping, tis_enabled, target_kl;
   update_frequency, batch_size.
-- **hacking**: the flagged fraction rising by ``hacking_rate_rise`` over ``trend_window`` steps, or reward up
+- **hacking**: the flagged fraction rising by ``hacking_rate_rise`` over ``trend_window`` steps while the reward does
+  not fall, or reward up
   while success is flat (and the flags not falling) over ``trend_window`` steps. Remedy: anti_hacking.detect_patterns,
   a model rubric (verifier.model_based).
 
@@ -110,10 +111,15 @@ def _window(history: deque[Row], window: int) -> list[Row] | None:
 
 
 def _flags_rising(window: int, rise: float) -> Callable[[Row, deque[Row]], float | None]:
-    """The rise of the flagged fraction over the last ``window`` rows, when it is at least ``rise``."""
+    """The rise of the flagged fraction over the last ``window`` rows, when it is at least ``rise`` and reward/mean did
+    not fall over them (flags that rise while the reward falls are the penalties doing their job on a policy that got
+    worse, not a pattern that pays)."""
     def fails(_: Row, history: deque[Row]) -> float | None:
         rows = _window(history, window)
         d = None if rows is None else _trend(rows, "monitor/hacking_flag_rate")
+        d_reward = None if rows is None else _trend(rows, "reward/mean")
+        if d_reward is not None and d_reward < 0:
+            return None
         return d if d is not None and d >= rise else None
     return fails
 
