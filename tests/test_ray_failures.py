@@ -123,6 +123,12 @@ def test_with_no_restarts_left_a_dead_rollout_actor_ends_the_run_naming_the_key(
         handle = RolloutHandle(actor, 1 << 20, cfg.ray.max_actor_restarts)
         handle.wait_alive()  # up: notes its pid
         ray.kill(actor, no_restart=False)
+        for _ in range(300):  # the kill lands asynchronously: until it has, the actor still answers
+            try:
+                ray.get(actor.stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 — dead (RayActorError) or unreachable: the kill has landed
+                break
+            time.sleep(0.2)
         with pytest.raises(RolloutActorLost, match=r"not restarted \(ray.max_actor_restarts = 0 restarts spent\)"):
             handle.wait_alive()
         assert handle.restarts == 0
