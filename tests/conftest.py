@@ -54,3 +54,15 @@ def small_run(tiny_model, tmp_path):
         return read_rows(tmp_path / name), read_rows(tmp_path / name, "samples.jsonl"), tmp_path / name
 
     return run
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster (2 CPUs, no dashboard) per test module, unless one is running; skips without ray."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

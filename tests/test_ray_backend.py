@@ -87,17 +87,7 @@ def test_ray_keys_with_the_local_backend_warn_that_they_cannot_act():
     assert init_kwargs(load_config([], ["ray.num_cpus=2"])) == {"num_cpus": 2, "include_dashboard": False}
 
 
-# ----------------------------------------------------------------------------- one cluster for the module
-
-@pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
+# ------------------------------------------------------------------------ one cluster per module (conftest.cluster)
 
 def _cfg(tmp_path: Path, model: str, *overrides: str, files: tuple = ()):
     base = tmp_path / "small_run.yaml"

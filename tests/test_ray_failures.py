@@ -16,16 +16,6 @@ from tether.config import load_config
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def _cfg(tmp_path: Path, model: str, *overrides: str):
     base = tmp_path / "small_run.yaml"
     base.write_text(SMALL_RUN)
