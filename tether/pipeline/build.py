@@ -223,11 +223,7 @@ class Run:
         closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
         try:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
-        except BaseException:
-            closers[0]()
-            raise
-        closers.append(rt.close)
-        try:
+            closers.append(rt.close)
             learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
             derived = cfg.derived()
             sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)

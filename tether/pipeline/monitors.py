@@ -219,8 +219,8 @@ class Monitors:
     """``observe(step, row, groups)`` after each step's metrics are recorded, before its row is written."""
 
     cfg: RunConfig
-    checks: list[Check] = field(default_factory=list)
-    history: deque[Row] = field(default_factory=deque)
+    checks: list[Check] = field(init=False)
+    history: deque[Row] = field(init=False)  # the last trend_window rows
 
     def __post_init__(self) -> None:
         self.checks = checks(self.cfg)
