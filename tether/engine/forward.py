@@ -173,12 +173,12 @@ class LlamaFamilyRunner:
         lens = torch.tensor([len(s) for s in seqs], device=self.device)
         slot_idx = torch.tensor(slots, device=self.device)
         cos, sin = (t[:T] for t in self._rope(T))
+        where = self.cache.token_index(slot_idx.repeat_interleave(T), torch.arange(T, device=self.device).repeat(k))
         x = F.embedding(ids, self.embed)  # [k, T, D]
         for i, w in enumerate(self.layers):
             q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # [k, T, heads, hd]
+            self.cache.write(i, where, kk, v)  # pads too: beyond a slot's length, never read
             q, kk, v = q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2)  # [k, heads, T, hd]
-            self.cache.k[i][slot_idx, :, :T] = kk
-            self.cache.v[i][slot_idx, :, :T] = v
             # Right padding + causal mask: a real query never sees a pad key, so no padding mask.
             a = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             x = x + F.linear(a.transpose(1, 2).flatten(2), w.o, w.o_bias)
@@ -199,7 +199,7 @@ class LlamaFamilyRunner:
         pos = start[:, None] + torch.arange(T, device=self.device)  # [k, T] absolute positions
         rows, cols = (torch.arange(T, device=self.device)[None] < new_lens[:, None]).nonzero(as_tuple=True)
         slot_idx = torch.tensor(slots, device=self.device)
-        dst_slot, dst_pos = slot_idx[rows], pos[rows, cols]  # where the real (non-pad) tokens go
+        where = self.cache.token_index(slot_idx[rows], pos[rows, cols])  # where the real (non-pad) tokens go
         cos, sin = self._rope(L)
         cos, sin = cos[pos.clamp(max=L - 1)], sin[pos.clamp(max=L - 1)]  # [k, T, hd]
         # query t of row i sees cached/new keys j <= start_i + t (pad queries see garbage; ignored)
@@ -208,8 +208,7 @@ class LlamaFamilyRunner:
         x = F.embedding(ids, self.embed)  # [k, T, D]
         for i, w in enumerate(self.layers):
             q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # [k, T, heads, hd]
-            self.cache.k[i][dst_slot, :, dst_pos] = kk[rows, cols]
-            self.cache.v[i][dst_slot, :, dst_pos] = v[rows, cols]
+            self.cache.write(i, where, kk[rows, cols], v[rows, cols])
             if contiguous:
                 keys, values = (c[i][slots[0]: slots[0] + k, :, :L] for c in (self.cache.k, self.cache.v))
             else:
@@ -233,13 +232,12 @@ class LlamaFamilyRunner:
         keep = torch.arange(L, device=self.device)[None] <= pos[:, None]  # [n, L]
         mask = torch.zeros(n, 1, 1, L, dtype=self.dtype, device=self.device)  # additive: a bit faster
         mask.masked_fill_(~keep[:, None, None, :], float("-inf"))
-        rows = torch.arange(first, first + n, device=self.device)
+        where = cache.token_index(torch.arange(first, first + n, device=self.device), pos)
         rep = self.num_heads // self.num_kv_heads
         x = F.embedding(torch.tensor(tokens, device=self.device), self.embed)  # [n, D]
         for i, w in enumerate(self.layers):
             q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # q [n, H, hd], k/v [n, KV, hd]
-            cache.k[i][rows, :, pos] = kk
-            cache.v[i][rows, :, pos] = v
+            cache.write(i, where, kk, v)
             # Grouped-query attention without repeating the cache: the query heads of one KV head
             # become that head's query "positions".
             q = q.view(n, self.num_kv_heads, rep, self.head_dim)
