@@ -46,6 +46,25 @@ def test_reverse_kl_k3_value_and_gradient_by_hand():
     assert float(m["kl"]) == pytest.approx(k3, abs=1e-12)
 
 
+def test_sampling_temperature_enters_the_ratio_and_the_score_function_only():
+    # The student sampled at τ: log q_τ(x) = ln 0.8 (sample_logp), log q_1(x) = ln 0.5 (logp), teacher ln 0.25,
+    # behaviour μ = 0.4. k1: value log q_1 − log p = ln 2 (not ln 3.2), ρ = q_τ/μ = 2, loss = ρ·ln 2 = 1.386294;
+    # the gradient goes to log q_τ only (the score function): 2 ln 2, none to log q_1.
+    logp, sample = _leaf(math.log(0.5)), _leaf(math.log(0.8))
+    loss, m = reverse_kl_loss(logp, _t(math.log(0.25)), _t(math.log(0.4)), _t(1.0), estimator="k1",
+                              sample_logp=sample)
+    assert _f(loss) == pytest.approx(2 * LN2, abs=1e-12) and float(m["kl"]) == pytest.approx(LN2, abs=1e-12)
+    loss.sum().backward()
+    assert float(sample.grad) == pytest.approx(2 * LN2, abs=1e-12) and (logp.grad is None or logp.grad == 0)
+    # k3: k3(log q_1, log p) = ln 2 − 0.5 weighted by sg(ρ) = 2; its gradient goes to log q_1: 2·(1 − 0.5) = 1.
+    logp, sample = _leaf(math.log(0.5)), _leaf(math.log(0.8))
+    loss, _ = reverse_kl_loss(logp, _t(math.log(0.25)), _t(math.log(0.4)), _t(1.0), estimator="k3",
+                              sample_logp=sample)
+    assert _f(loss) == pytest.approx(2 * (LN2 - 0.5), abs=1e-12)
+    loss.sum().backward()
+    assert float(logp.grad) == pytest.approx(1.0, abs=1e-12) and (sample.grad is None or sample.grad == 0)
+
+
 def test_masked_tokens_give_zero_loss_and_no_nan_gradient():
     logp = _leaf(math.log(0.5), -math.inf)
     teacher = _t(math.log(0.25), -math.inf)

@@ -262,6 +262,23 @@ def test_each_teacher_key_changes_the_update(tmp_path, models, rollouts):
     assert top5["teacher/teacher_mass"] < topk["teacher/teacher_mass"] and not torch.allclose(d_top5, d_topk)
 
 
+def test_a_student_distilled_from_itself_has_nothing_to_learn_at_any_sampling_temperature(tmp_path, models,
+                                                                                          rollouts):
+    # Student and teacher are compared at temperature 1 (the teacher is scored so). With the student taken at
+    # engine.temperature 0.7, as the RL term takes it, its own copy as teacher read teacher/kl −0.22, loss 0.39
+    # (reverse_kl k1) and 0.16 (topk_forward_kl), grad norms 6.7 and 2.3 (measured), pulling it to 0.7 × its
+    # own logits; now both are ~1e-7.
+    for loss in ("teacher.loss=reverse_kl", "teacher.loss=topk_forward_kl"):
+        m, _ = _step(tmp_path, models, rollouts, "teacher.enabled=true", f"teacher.path={models['student']}",
+                     "teacher.rl_loss=false", "engine.temperature=0.7", loss)
+        assert abs(m["teacher/kl"]) < 1e-4 and abs(m["teacher/loss"]) < 1e-4, m
+        assert m["optim/grad_norm"] < 1e-3, m  # the other teacher's term: grad norm > 1 (below)
+    other, _ = _step(tmp_path, models, rollouts, *_teacher_keys(models, "teacher.rl_loss=false",
+                                                                "engine.temperature=0.7",
+                                                                "teacher.loss=topk_forward_kl"))
+    assert other["teacher/loss"] > 0.5 and other["optim/grad_norm"] > 1.0, other
+
+
 def test_remote_key_scores_through_the_server(tmp_path, models, rollouts):
     from tether.engine.local import LocalEngine
 

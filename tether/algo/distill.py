@@ -1,8 +1,10 @@
 """On-policy distillation losses: the student samples, a teacher scores the sampled tokens (``tether.teacher``).
 
-Notation per response position t of a student rollout: q = π_θ (the student, at the learner's temperature),
-p = π_T (the teacher, at temperature 1), μ = the behaviour policy that sampled the token (the engine's logprob),
-ρ_t = q(x_t)/μ(x_t) (1 on-policy; off-policy after the first update of a step, or in the async modes).
+Notation per response position t of a student rollout: q = π_θ and p = π_T, the student and the teacher, both
+at temperature 1 (their raw softmax: the teacher is scored so, and comparing like with like makes q = p the fixed
+point, whatever the sampling temperature τ); μ = the behaviour policy that sampled the token at τ (the engine's
+logprob), q_τ = softmax(z_θ / τ) the student's sampling distribution, ρ_t = q_τ(x_t)/μ(x_t) (1 on-policy; off-policy
+after the first update of a step, or in the async modes). With τ = 1, q_τ = q.
 
 **Reverse KL on the sampled tokens** (``reverse_kl_loss``): KL(q ‖ p) = E_{x~q}[log q(x) − log p(x)], per token,
 estimated on the student's own samples with Schulman's estimators ("Approximating KL Divergence", 2020;
@@ -14,10 +16,13 @@ estimated on the student's own samples with Schulman's estimators ("Approximatin
 An unbiased *value* is not an unbiased *gradient* (Tang & Munos, "On a few pitfalls in KL divergence gradient
 estimation for RL", arXiv 2506.09477): back-propagating k1 itself gives E_q[∇log q] = 0 in expectation. So:
 
-    k1: ℓ_t = sg(log q − log p) · ρ_t                        ∇ = E_μ[ρ (log q − log p) ∇log q] = ∇KL(q ‖ p)
+    k1: ℓ_t = sg(log q − log p) · ρ_t                        ∇ = E_μ[ρ (log q − log p) ∇log q_τ]
         — the score-function (policy-gradient) form: the per-token reverse KL as a negative advantage with
         discount 0 and an importance weight, as Thinking Machines' "On-Policy Distillation" (2025) trains it;
-        exact per token on- and off-policy (the state distribution is not corrected: discount 0).
+        = ∇KL(q ‖ p) at τ = 1, exact per token on- and off-policy (the state distribution is not corrected:
+        discount 0). At τ ≠ 1 the tokens come from q_τ and the advantage −(log q − log p) still vanishes only at
+        q = p (scoring the student at τ against a teacher at 1 would pull it to softmax(z_θ/τ) = p instead, i.e.
+        toward τ × the teacher's logits: a student distilled from itself would move).
     k3: ℓ_t = sg(ρ_t) · k3(log q, log p)  back-propagated     ∇ = E_μ[ρ (1 − p/q) ∇log q] = ∇KL(p ‖ q)
         — verl's OPD default (``distillation_loss.loss_mode: k3``, GRPO's KL term). Its value estimates the
         reverse KL, but its expected gradient is that of the *forward* KL KL(p ‖ q) over the full vocabulary at
@@ -66,15 +71,18 @@ def reverse_kl_loss(
     mask: torch.Tensor,
     *,
     estimator: DistillEstimator,
+    sample_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token reverse-KL distillation loss on the sampled tokens (formulas in the module docstring).
 
     Args:
-        logp: [B, L] log q(x_t), the student's log-prob of the sampled token (with grad).
-        teacher_logp: [B, L] log p(x_t), the teacher's (no grad).
+        logp: [B, L] log q(x_t), the student's log-prob of the sampled token at temperature 1 (with grad).
+        teacher_logp: [B, L] log p(x_t), the teacher's at temperature 1 (no grad).
         behav_logp: [B, L] log μ(x_t), the behaviour log-prob recorded at sampling (no grad).
         mask: [B, L] 1 on the student's sampled tokens.
         estimator: "k1" (score-function form) | "k3" (back-propagated).
+        sample_logp: [B, L] log q_τ(x_t), the student's at the sampling temperature (with grad), for ρ (and k1's
+            score function); None = ``logp`` (τ = 1).
 
     Returns:
         loss: [B, L] per-token loss, 0 where the mask is 0.
@@ -82,17 +90,19 @@ def reverse_kl_loss(
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"unknown distillation estimator {estimator!r}; expected one of {list(_ESTIMATORS)}")
-    _check_same(logp=logp, teacher_logp=teacher_logp, behav_logp=behav_logp, mask=mask)
+    sample_logp = logp if sample_logp is None else sample_logp
+    _check_same(logp=logp, teacher_logp=teacher_logp, behav_logp=behav_logp, mask=mask, sample_logp=sample_logp)
     on = mask.bool()  # [B, L]
     zero = torch.zeros_like(logp)
     # Masked positions are scored as q = p = μ (KL̂ = 0, ρ = 1), so ±inf there cannot make a NaN gradient.
     logp = torch.where(on, logp, zero)  # [B, L]
+    sample_logp = torch.where(on, sample_logp, zero)  # [B, L]
     teacher_logp = torch.where(on, teacher_logp.detach(), zero)  # [B, L]
     behav_logp = torch.where(on, behav_logp.detach(), zero)  # [B, L]
-    ratio = importance_ratio(logp, behav_logp)  # [B, L] ρ = q/μ, log-ratio clamped to ±20
+    ratio = importance_ratio(sample_logp, behav_logp)  # [B, L] ρ = q_τ/μ, log-ratio clamped to ±20
     if estimator == "k1":
         value = kl_estimate(logp, teacher_logp, "k1")  # [B, L] log q − log p
-        loss = value.detach() * ratio  # [B, L] ∇ = ρ (log q − log p) ∇log q
+        loss = value.detach() * ratio  # [B, L] ∇ = ρ (log q − log p) ∇log q_τ
     else:
         value = kl_estimate(logp, teacher_logp, "k3")  # [B, L] (r − 1) − log r, clamped as in algo.kl
         loss = ratio.detach() * value  # [B, L] ∇ = ρ (1 − p/q) ∇log q

@@ -6,12 +6,16 @@
 (+ the entropy bonus and the reference KL when configured, in both cases). ℓ_distill per token is
 ``reverse_kl_loss`` (estimator ``teacher.kl_estimator``) or ``topk_forward_kl`` (``tether.algo.distill``), and
 ``agg`` is the policy-gradient term's aggregation with the whole mini-batch's denominator, so micro-batching
-stays exact. The student's log-probs are the learner's (at ``engine.temperature``, as the RL term's), the
-teacher's are at temperature 1.
+stays exact. Student and teacher are compared at temperature 1: the teacher is scored so (a server's prompt
+log-probs are the raw model's), and the student's log-probs here come from the same logits as the RL term's but
+without ``engine.temperature``, so the fixed point is the teacher itself whatever the sampling temperature (at
+τ = 0.7 against a teacher at 1 it would be softmax(z/τ) = p: τ × the teacher's logits, and a student would move
+away from a copy of itself). Only the importance ratio ρ = q_τ/μ uses the student at ``engine.temperature``: the
+distribution that sampled.
 
 Metrics (means over the model tokens of the step, like ``optim/*``):
-    teacher/kl          per-token estimate (k1 or k3, ``teacher.kl_estimator``) of KL(student ‖ teacher) on
-                        the sampled tokens, under the weights being trained
+    teacher/kl          per-token estimate (k1 or k3, ``teacher.kl_estimator``) of KL(student ‖ teacher) at
+                        temperature 1 on the sampled tokens, under the weights being trained
     teacher/loss        per-token distillation loss before ``coef`` (k1: ρ·k1 ≈ teacher/kl; k3: ρ·k3;
                         topk_forward_kl: KL_K)
     teacher/topk_forward_kl, teacher/teacher_mass, teacher/student_mass   with loss topk_forward_kl
@@ -88,17 +92,24 @@ class Distillation:
         """The micro-batch's loss with the distillation term, and the per-token ``teacher/*`` metrics.
 
         sel: [b, T-1] the loss positions (shifted: position t predicts token t+1); logits: [n, V] the student's
-        logits there (n = sel.sum()); logp: [b, T-1] the student's log-probs of the sampled tokens, as the learner
-        computed them; agg: the policy-gradient term's aggregation arguments (mode, denom, norm_len)."""
+        raw logits there (n = sel.sum()); logp: [b, T-1] the student's log-probs of the sampled tokens at
+        ``temperature`` (the sampling one), as the learner computed them; agg: the policy-gradient term's
+        aggregation arguments (mode, denom, norm_len)."""
         if mb.teacher_logp is None:
             raise RuntimeError("the batch has no teacher scores (Distillation.attach was not called)")
         mask = mb.loss_mask[:, 1:]  # [b, T-1]
-        tok, m = reverse_kl_loss(logp, mb.teacher_logp[:, 1:], mb.old_logp[:, 1:], mask, estimator=self.estimator)
+        logp_1 = logp  # [b, T-1] the student at temperature 1, as the teacher is scored (module docstring)
+        if temperature != 1.0:
+            ids = mb.input_ids[:, 1:][sel]  # [n]
+            logp_1 = logp.new_zeros(sel.shape).masked_scatter(
+                sel, gather_logprobs(logits[None], ids[None, :, None])[0, :, 0])
+        tok, m = reverse_kl_loss(logp_1, mb.teacher_logp[:, 1:], mb.old_logp[:, 1:], mask, estimator=self.estimator,
+                                 sample_logp=logp)
         metrics = {"teacher/kl": m["kl"]}
         if self.loss == "topk_forward_kl":
             assert mb.teacher_top_ids is not None and mb.teacher_top_logp is not None
             t_top = mb.teacher_top_logp[:, 1:][sel]  # [n, K]
-            s_top = gather_logprobs(logits[None], mb.teacher_top_ids[:, 1:][sel][None], temperature)[0]  # [n, K]
+            s_top = gather_logprobs(logits[None], mb.teacher_top_ids[:, 1:][sel][None])[0]  # [n, K] at T = 1
             kl_n, m_top = topk_forward_kl(s_top[None], t_top[None], torch.isfinite(t_top)[None],
                                           torch.ones_like(t_top[None, :, 0]))  # [1, n]
             tok = kl_n.new_zeros(sel.shape).masked_scatter(sel, kl_n[0])  # [b, T-1]
