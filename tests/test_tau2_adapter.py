@@ -155,10 +155,41 @@ def _gold_writes(domain, task):
     return scoring.db_digest(env) != before
 
 
+def _check_variant(domain, task, variant, steps, writes, tally):
+    """One trajectory through the adapter and through tau2 alone: the same reward, messages and flags."""
+    want, ref_msgs = _reference(domain, task, steps, solo=False)
+    got, info, msgs = _adapter(domain, task, steps, solo=False)
+    where = f"{domain} task {task.id} {variant}"
+    if isinstance(want, tuple):  # tau2's evaluator raised: 0, with tau2's message in the note
+        assert got == 0.0 and want[1] in info["note"], (where, info)
+        tally["raised"] = tally.get("raised", 0) + 1
+        return
+    assert got == want, f"{where}: adapter {got}, tau2 {want} ({info})"
+    assert info["tau2_reward"] == want and info["success"] == (want == 1.0), where
+    assert _comparable(msgs) == _comparable(ref_msgs), where
+    assert set(info["reward_components"]) <= {"db", "env_assertion", "action", "communicate"}, where
+    assert info["reward_basis"] == [b.value for b in task.evaluation_criteria.reward_basis], where
+    # no_op_pass: flagged exactly when tau2 passed the episode and the databases did not change
+    flagged = info["hacking_flags"].get("no_op_pass", 0) == 1
+    if variant == "noop":
+        assert flagged == (want == 1.0), where
+        if "db" in info["reward_components"]:  # the hole: doing nothing passes the DB check exactly where
+            assert info["reward_components"]["db"] == (0.0 if writes else 1.0), where  # gold writes nothing
+        tally["noop_flagged"] += flagged
+        if flagged:  # the hole applies only where the gold actions write nothing
+            assert not writes, where
+    if variant == "gold":
+        assert flagged == (want == 1.0 and not writes), where
+    tally[f"{variant}_pass"] = tally.get(f"{variant}_pass", 0) + (want == 1.0)
+
+
 @pytest.mark.parametrize("domain", ["mock", "retail", "airline"])
 def test_replays_score_exactly_what_tau2_scores(domain):
+    """Every variant of every task played (a mismatch is recorded and the sweep goes on); per variant: how many
+    were played and matched tau2 exactly, how many tau2 passed."""
     t0 = time.perf_counter()
     tally = {"gold_pass": 0, "noop_flagged": 0, "tasks": 0, "variants": 0}
+    played, matched, mismatches = {}, {}, []
     for task in _tasks(domain):
         tally["tasks"] += 1
         writes = _gold_writes(domain, task)
@@ -167,33 +198,18 @@ def test_replays_score_exactly_what_tau2_scores(domain):
             if steps is None:
                 continue
             tally["variants"] += 1
-            want, ref_msgs = _reference(domain, task, steps, solo=False)
-            got, info, msgs = _adapter(domain, task, steps, solo=False)
-            where = f"{domain} task {task.id} {variant}"
-            if isinstance(want, tuple):  # tau2's evaluator raised: 0, with tau2's message in the note
-                assert got == 0.0 and want[1] in info["note"], (where, info)
-                tally["raised"] = tally.get("raised", 0) + 1
+            played[variant] = played.get(variant, 0) + 1
+            try:
+                _check_variant(domain, task, variant, steps, writes, tally)
+            except AssertionError as e:
+                mismatches.append(str(e)[:400])
                 continue
-            assert got == want, f"{where}: adapter {got}, tau2 {want} ({info})"
-            assert info["tau2_reward"] == want and info["success"] == (want == 1.0), where
-            assert _comparable(msgs) == _comparable(ref_msgs), where
-            assert set(info["reward_components"]) <= {"db", "env_assertion", "action", "communicate"}, where
-            assert info["reward_basis"] == [b.value for b in task.evaluation_criteria.reward_basis], where
-            # no_op_pass: flagged exactly when tau2 passed the episode and the databases did not change
-            flagged = info["hacking_flags"].get("no_op_pass", 0) == 1
-            if variant == "noop":
-                assert flagged == (want == 1.0), where
-                if "db" in info["reward_components"]:  # the hole: doing nothing passes the DB check exactly where
-                    assert info["reward_components"]["db"] == (0.0 if writes else 1.0), where  # gold writes nothing
-                tally["noop_flagged"] += flagged
-                if flagged:  # the hole applies only where the gold actions write nothing
-                    assert not writes, where
-            if variant == "gold":
-                tally["gold_pass"] += want == 1.0
-                assert flagged == (want == 1.0 and not writes), where
-    print(f"\n{domain}: {tally} in {time.perf_counter() - t0:.1f} s")
-    assert tally["gold_pass"] >= 1
-    if domain != "mock" and not FULL:
+            matched[variant] = matched.get(variant, 0) + 1
+    per_variant = {v: f"{matched.get(v, 0)}/{played[v]} matched" for v in played}
+    print(f"\n{domain}: {tally} {per_variant} in {time.perf_counter() - t0:.1f} s")
+    assert not mismatches, f"{len(mismatches)} mismatches: " + "\n".join(mismatches)
+    assert tally["gold_pass"] >= 1 or "gold" not in VARIANTS
+    if domain != "mock" and not FULL and "noop" in VARIANTS:
         assert tally["noop_flagged"] >= 1 and tally["noop_flagged"] < tally["tasks"], tally  # the sample has both
 
 
@@ -231,6 +247,15 @@ def test_episodes_are_isolated_and_interleave():
     _, reward_a, _, info_a = a.step({"name": "done", "params": {}})
     assert (reward_a, reward_b) == (0.0, 0.0)  # a created "A", not "Important Meeting"; b created nothing
     assert info_b["reward_components"]["db"] == 0.0
+    # a later episode starts from tau2's own database, untouched by a's write (one parse, a new database each)
+    from tau2.registry import registry
+
+    from tether.env.tau2 import scoring
+
+    c = Tau2Env("mock")
+    c.reset("create_task_1")
+    assert scoring.db_digest(a.tau2_env) != scoring.db_digest(c.tau2_env) == scoring.db_digest(
+        registry.get_env_constructor("mock")())
 
 
 def test_tool_schemas_are_tau2s_own():
@@ -371,3 +396,42 @@ def test_gold_actions_written_by_the_policy_through_the_agent_loop(tiny_model):
     traj = asyncio.run(_loop(tiny_model, texts, 4).run(mock_task, env, seed=0))
     assert (traj.reward, traj.termination, traj.num_user_turns) == (1.0, "user_stop", 1)
     assert traj.messages[-1] == {"role": "user", "content": "###STOP###"}
+
+
+def _containers(obj, out):
+    """ids of every mutable object (model, dict, list) reachable from ``obj``."""
+    from pydantic import BaseModel
+
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, BaseModel):
+            out.add(id(o))
+            stack.extend(o.__dict__.values())
+        elif isinstance(o, dict):
+            out.add(id(o))
+            stack.extend(o.values())
+        elif isinstance(o, (list, set)):
+            out.add(id(o))
+            stack.extend(o)
+    return out
+
+
+@pytest.mark.parametrize("domain", ["mock", "retail", "airline"])
+def test_environments_from_the_parsed_database_are_tau2s_and_share_nothing(domain):
+    """make_environment (and the evaluator's constructor) build from tau2's database parsed once: the same
+    environment tau2's registry builds (hash, policy, tools), and two of them share no mutable object with each
+    other or with the parsed data, so a write in one episode reaches no other."""
+    from tau2.registry import registry
+
+    from tether.env.tau2._load import _source, evaluator_domain, fresh_db, make_environment
+
+    own = registry.get_env_constructor(domain)()
+    built = make_environment(domain, solo=False)
+    assert built.get_db_hash() == own.get_db_hash() and built.get_policy() == own.get_policy()
+    assert [t.openai_schema for t in built.get_tools()] == [t.openai_schema for t in own.get_tools()]
+    assert registry.get_env_constructor(evaluator_domain(domain))().get_db_hash() == own.get_db_hash()
+    db_a, db_b = fresh_db(domain), fresh_db(domain)  # both alive while their ids are compared
+    a, b = _containers(db_a, set()), _containers(db_b, set())
+    source = _containers(_source(domain)[2], set())
+    assert len(a) == len(b) > 5 and not (a & b) and not (a & source)

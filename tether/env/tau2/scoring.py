@@ -1,7 +1,8 @@
 """Scoring a finished tau2 episode with tau2's own evaluator, and the no-op-pass check.
 
 ``score`` hands the episode's messages (tau2 ``Message`` objects, exactly what tau2's orchestrator would have
-recorded) and its termination reason to ``tau2.evaluator.evaluator.evaluate_simulation``: the reward is tau2's
+recorded) and its termination reason to ``tau2.evaluator.evaluator.evaluate_simulation`` (its environments built
+by tau2's own constructor from the database parsed once: ``_load.evaluator_domain``): the reward is tau2's
 (0 unless the episode ended by a stop; otherwise the product of the components in the task's ``reward_basis``:
 the database replay check, env assertions, gold actions, communicated info, NL assertions). The components tau2
 reports (``reward_breakdown``) become tether's ``reward_components`` under short names (``db``,
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.env.tau2._load import load
+from tether.env.tau2._load import evaluator_domain, load
 
 COMPONENTS = {"DB": "db", "ENV_ASSERTION": "env_assertion", "ACTION": "action", "COMMUNICATE": "communicate",
               "NL_ASSERTION": "nl"}
@@ -101,7 +102,7 @@ def score(domain: str, task: Any, messages: list[Any], termination: str, *, solo
                         termination_reason=TerminationReason(termination), messages=messages)
     _local.judge = judge
     try:
-        info = evaluate_simulation(run, task, etype, solo_mode=solo, domain=domain)
+        info = evaluate_simulation(run, task, etype, solo_mode=solo, domain=evaluator_domain(domain))
     except Exception as e:  # e.g. an env assertion about a record the episode never created raises in tau2
         return Score(0.0, {}, basis, skipped, f"tau2's evaluator raised {type(e).__name__}: {e}")
     finally:
