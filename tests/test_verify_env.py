@@ -157,3 +157,155 @@ def test_policy_episodes_through_the_agent_loop(tiny_model: str) -> None:
 def test_bad_input_exits_2(args: list[str]) -> None:
     result = runner.invoke(app, ["verify", "env", *args])
     assert result.exit_code == 2, result.output
+
+
+# ------------------------------------------------------------------------------------- environments of one's own
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_env"
+
+
+def test_custom_env_example_through_the_real_cli() -> None:
+    """examples/custom_env with its own expert, through the installed ``tether`` command run beside the config."""
+    import os
+    import subprocess
+    import sys
+
+    tether = Path(sys.executable).with_name("tether")
+    result = subprocess.run([str(tether), "verify", "env", "config.yaml"], cwd=EXAMPLE, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "2 tools: calculate, respond_to_user, all well-formed" in out
+    assert "every tool and parameter name shown" in out
+    assert "2 calls (one per tool) written as hermes reads them, each parsed back" in out
+    # 2 valid calls (the expert's) + per tool: missing, mistyped, unexpected; + 3 malformed actions = 11 probes
+    assert "tool observations                 pass    11 tool probes" in out
+    assert "calculate" in out.split("timeouts")[1].split("\n")[0] and "/1000 ms" in out
+    # weights 0.6 + 0.2 + 0.2 = 1; penalties 0.1 + 0.1 per step × max_turns 20 = 4
+    assert "configured range [-4, 1]" in out
+    assert "10 episodes that do nothing and stop (no_action): rewards in [0, 0], each scored" in out
+    assert "none of 10 do-nothing episodes passed" in out
+    assert "the expert's 10 episodes succeeded, reward 1 each" in out
+    # repeat: 3 turns, brief 2/3 → 0.6 + 0.2 + 0.2·2/3 − 0.1 = 0.833; stuffing: 2 turns → 1 − 0.1 = 0.9
+    assert "flagged 1×, penalty 0.1, reward 0.833 vs 1 clean" in out
+    assert "flagged 1×, penalty 0.1, reward 0.9 vs 1 clean" in out
+
+
+def bump(state: dict) -> int:
+    """Add one to the counter."""
+    state["n"] += 1
+    return state["n"]
+
+
+def respond_to_user(state: dict, message: str) -> str:
+    """Send a message to the user; returns their reply.
+
+    Args:
+        message: The message.
+    """
+    return "ok"
+
+
+def _hole_tasks(split: str, cfg: object) -> list[Task]:
+    return [Task(id=f"{split}_{i}", split=split, kind="bump", data={"prompt": "Bump it."}) for i in range(3)]
+
+
+HOLE_CONFIG = """
+environment:
+  name: hole
+  action_space:
+    - {name: bump, params: [], timeout_ms: 1000}
+    - {name: respond_to_user, params: [message], timeout_ms: 100}
+  state: {observation_fields: [last_tool_result]}
+  verifier: {type: rule, rule_based: [{check: bumped, weight: 1.0}], model_based: []}
+"""
+
+
+@pytest.fixture
+def hole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A plugin environment whose check passes whatever happened (a do-nothing episode passes), no expert."""
+    from tether.env.plugin import ToolEnvironment, registry
+
+    env = ToolEnvironment(tools=[bump, respond_to_user], tasks=_hole_tasks, system_prompt="Bump the counter.",
+                          new_state=lambda task: {"n": 0}, rules={"bumped": lambda state, transcript, task: 1.0},
+                          resolved=lambda state: state["n"] > 0)
+    monkeypatch.setitem(registry.ENVIRONMENTS, "hole", env)
+    path = tmp_path / "hole.yaml"
+    path.write_text(HOLE_CONFIG)
+    return path
+
+
+def test_a_plugin_env_without_an_expert_skips_its_probes_and_its_no_op_hole_fails(hole: Path) -> None:
+    result = runner.invoke(app, ["verify", "env", str(hole), "--tasks", "3", "--random", "2"])
+    assert result.exit_code == 1, result.output
+    out = result.output
+    for name in ("termination/success", "anti_hacking/repeated_tool_calls", "anti_hacking/context_stuffing"):
+        assert f"{name} " in out and "environment 'hole' offers no expert (its ToolEnvironment's expert is None" in \
+            out.split(f"{name} ")[1].split("\n")[0]
+    # schema-built arguments: bump takes none, so only respond_to_user's and bump's own calls are unjudged
+    assert "(2 calls whose arguments the tool alone judges: their success not judged)" in out
+    assert "no-op pass                        fail    3/3 do-nothing episodes passed (train_0, train_1, train_2), " \
+           "0 flagged no_op_pass" in out
+    assert "FAIL no-op pass: doing nothing passes task train_0 unflagged" in out
+    # the check stuck at 1 is a warning here, not a failure: no expert ran to earn it
+    assert "WARN verifier components: bumped scored only [1.0]" in out
+    assert "FAIL" not in out.replace("FAIL no-op pass", "")
+
+
+@pytest.mark.parametrize(("penalty", "status", "seen"), [
+    (0.0, "warn", "3/3 do-nothing episodes passed (train_0, train_1, train_2), 3 flagged no_op_pass, penalty 0"),
+    (0.5, "pass", "3/3 do-nothing episodes passed (train_0, train_1, train_2), 3 flagged no_op_pass, each costs 0.5"),
+])
+def test_the_no_op_hole_flagged_is_a_warning_until_it_costs(hole: Path, penalty: float, status: str,
+                                                            seen: str) -> None:
+    cfg = load_config([hole], ["environment.verifier.anti_hacking.detect_patterns=[no_op_pass]",
+                               f"environment.verifier.anti_hacking.penalty={{no_op_pass: {penalty}}}"])
+    checks = {c.name: c for c in verify_env(cfg, num_tasks=3, random_episodes=0)}
+    assert (checks["no-op pass"].status, checks["no-op pass"].seen) == (status, seen)
+    # the flagged do-nothing episode costs the penalty: reward 1 − 0.5
+    assert checks["do nothing"].seen.endswith(f"rewards in [{1 - penalty:g}, {1 - penalty:g}], each scored")
+
+
+def test_a_malformed_schema_and_a_template_without_tools_are_named(tiny_model: str, tmp_path: Path) -> None:
+    import shutil
+
+    from tether.verify.env_generic import check_rendered, schema_problem
+
+    ok = {"type": "function", "function": {"name": "lookup_widget", "parameters": {
+        "type": "object", "properties": {"widget_code": {"type": "string"}}, "required": ["widget_code"]}}}
+    assert schema_problem(ok) is None
+    assert schema_problem({**ok, "function": {**ok["function"], "parameters": {
+        "type": "object", "properties": {"widget_code": {"type": "string"}}, "required": ["colour"]}}}) == \
+        "lookup_widget: required ['colour'] are not among its properties ['widget_code']"
+    assert schema_problem({**ok, "function": {**ok["function"], "parameters": {
+        "type": "object", "properties": {"widget_code": {"description": "x"}}}}}) == \
+        "lookup_widget: parameters ['widget_code'] have no type (a type hint on the function's argument)"
+    # a chat template that ignores the tools: the model would never see them
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n")
+    good = check_rendered(Probes(load_config([ENV_CONFIG], ["model.preset=null", f"model.path={tiny_model}"]),
+                                 schemas=[ok], system_prompt="S"))
+    assert good.status == "pass" and "every tool and parameter name shown" in good.seen
+    bad = check_rendered(Probes(load_config([ENV_CONFIG], ["model.preset=null", f"model.path={model}"]),
+                                schemas=[ok], system_prompt="S"))
+    assert bad.status == "fail" and "the prompt does not show ['lookup_widget', 'lookup_widget.widget_code']" in \
+        bad.diagnosis
+
+
+def test_tau2_mock_runs_the_generic_probes_and_reports_its_no_op_hole(tmp_path: Path) -> None:
+    pytest.importorskip("tau2")
+    path = tmp_path / "tau2.yaml"
+    path.write_text('environment: {name: "tau2:mock"}\n')
+    result = runner.invoke(app, ["verify", "env", str(path), "--tasks", "5", "--random", "1"])
+    out = result.output
+    assert result.exit_code == 0, out
+    assert "5 tools: create_task, get_users, update_task_status, transfer_to_human_agents, done" in out
+    assert "all structured, Tau2Env's own result text" in out
+    assert "3 bad calls ended the episode with too_many_errors (tool_error_threshold 3)" in out
+    # tau2's database check passes doing nothing where the gold actions write nothing: flagged, free by default
+    assert "no-op pass                        warn    1/5 do-nothing episodes passed (create_task_1_nl_eval), " \
+           "1 flagged no_op_pass, penalty 0" in out
+    assert "termination/success               skip    no expert to solve a task: tau2's gold actions are no solo " \
+           "expert" in out

@@ -65,6 +65,12 @@ def brief(transcript, task) -> float:
     return min(1.0, 2 / max(len(transcript.turns), 1))
 
 
+def expert(task):
+    """A policy that solves a task (``tether verify env`` plays it): calculate, then tell the user the result."""
+    calls = iter([{"name": "calculate", "params": {"expression": task.data["prompt"][8:-1]}}])  # "What is ...?"
+    return lambda obs: next(calls, {"name": "respond_to_user", "params": {"message": f"{obs['last_tool_result']}"}})
+
+
 environment = ToolEnvironment(
     tools=[calculate, respond_to_user],
     tasks=HERE / "tasks.jsonl",
@@ -76,4 +82,5 @@ environment = ToolEnvironment(
     gated=("brief",),
     resolved=lambda state: state["answer"] is not None,
     observations={"last_result": lambda state, task: state["results"][-1] if state["results"] else None},
+    expert=expert,
 )

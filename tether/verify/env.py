@@ -21,6 +21,11 @@ finalize), no model involved, in a second or two:
 
 With ``policy=True`` a few episodes of the configured policy through the agent loop are checked for the same
 structure and range. Each failure says which config key to look at.
+
+Any environment runs these (customer service, a plugin ``ToolEnvironment``, tau2): the expert is the
+environment's own (``ToolEnvironment.expert``); without one its checks are skipped, saying why. The checks that
+hold for every environment (tool schemas and their rendering, the parser round trip, timeouts, do-nothing and
+the no-op pass) are in env_generic.py.
 """
 
 from __future__ import annotations
@@ -58,22 +63,27 @@ class Check:
 
 
 def check_observations(p: Probes) -> Check:
-    fields = list(p.cfg.environment.state.observation_fields)
+    # tether's environments show the configured fields; another's (tau2) its own observation
+    fields = list(p.cfg.environment.state.observation_fields) if p.tether_tools else ["last_tool_result"]
     n, problems = 0, []
     for label, ep, valid in p.tools:
         obs = ep.observations[-1]
-        if isinstance(obs, Mapping) and obs.get("tool_error") is not (not valid):
+        if valid is not None and isinstance(obs, Mapping) and obs.get("tool_error") is not (not valid):
             problems.append(f"{label}: tool_error is {obs.get('tool_error')} "
                             f"({str(obs.get('last_tool_result'))[:100]})")
     for ep in p.episodes():
         for obs in ep.observations[1:]:
             n += 1
-            problem = observation_problem(obs, fields)
+            problem = observation_problem(obs, fields, json_results=p.tether_tools)
             if problem:
                 problems.append(f"{ep.probe} on {ep.task.id}: {problem}")
+    unjudged = sum(valid is None for _, _, valid in p.tools)
     seen = f"{len(p.tools)} tool probes, {n} observations"
+    if unjudged:
+        seen += f" ({unjudged} calls whose arguments the tool alone judges: their success not judged)"
     if not problems:
-        return Check("tool observations", "pass", f"{seen}: all structured, errors as {{\"error\": ...}}")
+        form = "errors as {\"error\": ...}" if p.tether_tools else f"{p.env_kind}'s own result text"
+        return Check("tool observations", "pass", f"{seen}: all structured, {form}")
     first = problems[0]
     if "last_tool_result" in first:
         key = "environment.state.observation_fields (add last_tool_result)"
@@ -112,22 +122,29 @@ def _errors(ep: Episode) -> list[str]:
             if isinstance(o, Mapping) and o.get("tool_error")]
 
 
-def want_ending(ep: Episode) -> str:
+def want_ending(ep: Episode) -> str | None:
+    """The ending a solved episode must have: the customer-service tasks say (resolved, or escalated where
+    ``must_escalate``); other environments' success is their verifier's."""
+    if "must_escalate" not in ep.task.data:
+        return None
     return ESCALATED if ep.task.data.get("must_escalate") else RESOLVED
 
 
 def check_success(p: Probes) -> Check:
+    if p.no_expert:
+        return Check("termination/success", "skip", f"no expert to solve a task: {p.no_expert}")
     _, hi = reward_range(p.cfg)
     env = p.cfg.environment
     bad = []
     for ep in p.expert:
-        solved = ep.done and ep.info.get("termination") == want_ending(ep) and ep.info.get("success")
+        wanted = want_ending(ep)
+        solved = ep.done and wanted in (None, ep.info.get("termination")) and ep.info.get("success")
         if not (solved and abs(ep.reward - hi) < EPS):
             bad.append(ep)
     n = len(p.expert)
     if not bad:
-        return Check("termination/success", "pass", f"the expert's {n} episodes ended resolved or escalated as "
-                                                    f"required, reward {hi:g} each")
+        how = "ended resolved or escalated as required" if want_ending(p.expert[0]) else "succeeded"
+        return Check("termination/success", "pass", f"the expert's {n} episodes {how}, reward {hi:g} each")
     ep = bad[0]
     ending, steps = ep.info.get("termination"), ep.steps
     seen = (f"{len(bad)}/{n} expert episodes not solved; {ep.task.id} ({ep.task.kind}) ended "
@@ -145,7 +162,7 @@ def check_success(p: Probes) -> Check:
     elif ep.info.get("hacking_flags"):
         why = (f"anti-hacking flagged the expert's clean episode {ep.info['hacking_flags']}: look at "
                f"environment.verifier.anti_hacking.repeat_window / detect_patterns (a false positive)")
-    elif ending == want_ending(ep):
+    elif ending == want_ending(ep) or (want_ending(ep) is None and ep.done):
         low = {k: v for k, v in ep.info.get("reward_components", {}).items() if v < 1}
         why = (f"it ended as required but components {low} score below 1: look at "
                f"environment.verifier (rule_based / model_based) and environment.termination.success_criteria")
@@ -161,7 +178,7 @@ def check_tool_errors(p: Probes) -> Check:
     assert ep is not None
     ending = ep.info.get("termination")
     seen = f"{ep.steps} bad calls ended the episode with {ending or 'nothing'} (tool_error_threshold {threshold})"
-    if not (ep.done and ending == TOOL_ERRORS and ep.steps == threshold):
+    if not (ep.done and ending in (TOOL_ERRORS, "too_many_errors") and ep.steps == threshold):
         if threshold > max_turns:
             why = (f"environment.termination.tool_error_threshold = {threshold} is above environment.state.max_turns "
                    f"= {max_turns}: an episode always ends at max_turns first, so tool_errors can never fire; set it "
@@ -182,7 +199,8 @@ def check_max_turns(p: Probes) -> Check:
     env, loop = p.cfg.environment, p.cfg.agent_loop
     max_turns, behaviour = env.state.max_turns, env.termination.max_turns_exceeded
     ep = p.max_turns
-    assert ep is not None
+    if ep is None:
+        return Check("termination/max_turns", "skip", p.no_idle)
     info, ending = ep.info, ep.info.get("termination")
     seen = f"{ep.steps} do-nothing steps ended the episode with {ending or 'nothing'}, reward {ep.reward:.3g}"
     problem = None
@@ -219,7 +237,8 @@ def check_components(p: Probes) -> Check:
             n += 1
             for k, v in comps.items():
                 values.setdefault(k, set()).add(round(float(v), 6))
-    weights = counted_weights(p.cfg)
+    # tether's verifier: the configured components; another's (tau2's evaluator): the components it reported
+    weights = counted_weights(p.cfg) if p.tether_tools else {k: 1.0 for k in values}
     counted = list(weights)
     stuck = {k: sorted(values.get(k, set())) for k in counted if len(values.get(k, set())) < 2}
     seen = ", ".join(f"{k}: {len(values.get(k, set()))} values" for k in counted) + f" over {n} episodes"
@@ -229,7 +248,12 @@ def check_components(p: Probes) -> Check:
                 if r.check in stuck]
         keys += [f"environment.verifier.model_based[{i}] ({r.rubric})" for i, r in enumerate(v.model_based)
                  if r.rubric in stuck]
+        keys = keys or [f"{p.env_kind}'s own evaluator"]
         desc = "; ".join(f"{k} scored only {vals}" for k, vals in stuck.items())
+        if p.no_expert:  # nothing solved a task: a component may be stuck only because no probe earned it
+            return Check("verifier components", "warn", seen,
+                         f"{desc} across {n} probe episodes, none by an expert ({p.no_expert}): a component no probe "
+                         f"earns looks stuck; look at {', '.join(keys)} if a solved episode should move it")
         return Check("verifier components", "fail", seen,
                      f"{desc} across {n} probe episodes (expert, failures, random): a component stuck at one value "
                      f"carries no signal; look at {', '.join(keys)} and its scoring function")
@@ -243,6 +267,9 @@ def check_components(p: Probes) -> Check:
 def check_hacking(p: Probes) -> list[Check]:
     ah = p.cfg.environment.verifier.anti_hacking
     out = []
+    if p.no_expert:
+        return [Check(f"anti_hacking/{pattern}", "skip", f"no expert episode to plant it in: {p.no_expert}")
+                for pattern in ("repeated_tool_calls", "context_stuffing")]
     for pattern, (clean, hacked) in p.planted.items():
         name = f"anti_hacking/{pattern}"
         if not clean.info.get("success"):
@@ -282,9 +309,20 @@ def check_hacking(p: Probes) -> list[Check]:
 def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0,
                policy: bool = False) -> list[Check]:
     """Run every probe on ``cfg``'s environment and return the checks (``policy``: also the policy's episodes)."""
+    from tether.verify.env_generic import (
+        check_do_nothing,
+        check_no_op_pass,
+        check_parser,
+        check_rendered,
+        check_schemas,
+        check_timeouts,
+    )
+
     probes = run_probes(cfg, num_tasks=num_tasks, random_episodes=random_episodes, seed=seed)
-    checks = [check_observations(probes), check_range(probes), check_success(probes), check_tool_errors(probes),
-              check_max_turns(probes), check_components(probes), *check_hacking(probes)]
+    checks = [check_schemas(probes), check_rendered(probes), check_parser(probes), check_observations(probes),
+              check_timeouts(probes), check_range(probes), check_do_nothing(probes), check_no_op_pass(probes),
+              check_success(probes), check_tool_errors(probes), check_max_turns(probes), check_components(probes),
+              *check_hacking(probes)]
     if policy:
         checks += check_policy(cfg, run_policy(cfg))
     return checks

@@ -1,11 +1,18 @@
 """The probes of ``tether verify env``: scripted episodes of the configured environment (tool calls with valid
 and invalid arguments, the expert, errors, do-nothing, random and planted hacks) and the reward range the
-configured weights allow. The checks on them are in env.py."""
+configured weights allow. The checks on them are in env.py and env_generic.py.
+
+Any environment ``environment.name`` selects is probed (the customer-service one, a plugin ``ToolEnvironment``,
+tau2). The probes that need a policy that solves tasks (the expert's episodes, planted hacks, and valid
+arguments for each tool) use the environment's own (``expert_of``: ``ToolEnvironment.expert``); an environment
+without one gets those checks skipped with the reason, and a tool call built from its schema alone is not
+expected to succeed (its arguments are only well-typed), only to return a structured observation."""
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +20,11 @@ from typing import Any
 from tether.agent.chat import observation_text
 from tether.config import RunConfig
 from tether.env.base import Action, Env, Observation
-from tether.env.customer_service.expert import ScriptedExpert
 from tether.runtime import env_factory
 from tether.types import Task
 
 Policy = Callable[[Observation], Action]
+Expert = Callable[[Task], Policy]  # a task -> a policy that solves it
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # the last step's (the end-of-episode info when done)
+    elapsed_ms: list[float] = field(default_factory=list)  # wall time of each step
 
     @property
     def reward(self) -> float:
@@ -48,7 +56,9 @@ def run_episode(env: Env, task: Task, probe: str, policy: Policy, max_steps: int
     ep.observations.append(obs)
     for _ in range(max_steps):
         action = policy(obs)
+        t = time.perf_counter()
         obs, reward, done, info = env.step(action)
+        ep.elapsed_ms.append((time.perf_counter() - t) * 1e3)
         ep.actions.append(action)
         ep.observations.append(obs)
         ep.rewards.append(reward)
@@ -68,6 +78,30 @@ def scripted(actions: list[Any]) -> Policy:
         last[0] = next(it, last[0])
         return last[0]
     return act
+
+
+def expert_of(env: Any, name: str = "") -> tuple[Expert | None, str]:
+    """The environment's own expert (``ToolEnvironment.expert``) and where it comes from, or None and why not
+    (``name``: ``environment.name``, for the message)."""
+    definition = getattr(env, "definition", None)
+    expert = getattr(definition, "expert", None)
+    if expert is not None:
+        return expert, f"{type(env).__name__}'s expert (ToolEnvironment.expert)"
+    reason = getattr(env, "no_expert_reason", None)
+    if isinstance(reason, str):
+        return None, reason
+    if definition is not None:
+        return None, (f"environment {name!r} offers no expert (its ToolEnvironment's expert is None; give it a "
+                      "function task -> (observation -> action) that solves the task)")
+    return None, f"environment {name!r} ({type(env).__name__}) is not a ToolEnvironment and offers no expert"
+
+
+def user_tool_of(env: Any) -> str | None:
+    """The tool whose call is a message to the user (``ToolEnvironment.user_tool``; tau2: respond_to_user when
+    it is offered), or None."""
+    names = [s["function"]["name"] for s in env.tool_schemas()]
+    tool = getattr(getattr(env, "definition", None), "user_tool", "respond_to_user")
+    return tool if tool in names else None
 
 
 # ----------------------------------------------------------------------------------------------- the range
@@ -118,15 +152,24 @@ def _task_for(props: Mapping[str, Any], tasks: list[Task]) -> Task:
     return tasks[0]
 
 
-def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task]) -> list[tuple[str, Task, Any, bool]]:
-    """(label, task, action, valid) for every tool: one valid call and the invalid variants its schema allows."""
-    out: list[tuple[str, Task, Any, bool]] = []
+def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task], known: Mapping[str, tuple[Task, Any]] | None = None,
+                ) -> list[tuple[str, Task, Any, bool | None]]:
+    """(label, task, action, valid) for every tool: one valid call and the invalid variants its schema allows.
+    The valid call of a tool in ``known`` (tool -> (task, params): the expert's first call of it) is the expert's
+    and must succeed (``valid`` True); otherwise its arguments are built from the schema and the task's data,
+    well-typed but not known to make sense to the tool (``valid`` None: only its observation's form is judged)."""
+    out: list[tuple[str, Task, Any, bool | None]] = []
+    known = known or {}
     for schema in schemas:
         fn = schema["function"]
         name, props = fn["name"], fn["parameters"].get("properties", {})
-        task = _task_for(props, tasks)
-        valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
-        out.append((f"{name} valid", task, {"name": name, "params": valid}, True))
+        if name in known and isinstance(known[name][1], Mapping):
+            task, valid = known[name][0], dict(known[name][1])
+            out.append((f"{name} valid (the expert's call)", task, {"name": name, "params": valid}, True))
+        else:
+            task = _task_for(props, tasks)
+            valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
+            out.append((f"{name} well-typed", task, {"name": name, "params": valid}, None))
         if props:
             out.append((f"{name} missing params", task, {"name": name, "params": {}}, False))
             first = next(iter(props))
@@ -143,8 +186,9 @@ def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task]) -> list[tuple[
     return out
 
 
-def observation_problem(obs: Any, fields: Sequence[str]) -> str | None:
-    """Why ``obs`` is not a structured observation the policy can read, or None."""
+def observation_problem(obs: Any, fields: Sequence[str], json_results: bool = True) -> str | None:
+    """Why ``obs`` is not a structured observation the policy can read, or None. ``json_results``: tool results
+    must be JSON and errors ``{"error": ...}`` (tether's tools; tau2's show tau2's own text)."""
     if not isinstance(obs, Mapping):
         return f"the observation is a {type(obs).__name__}, not a dict"
     missing = [f for f in fields if f not in obs]
@@ -154,6 +198,9 @@ def observation_problem(obs: Any, fields: Sequence[str]) -> str | None:
         return f"observation['tool_error'] is {obs.get('tool_error')!r}, not a bool"
     if "last_tool_result" not in fields:
         return "the policy never sees a tool result (last_tool_result is not an observation field)"
+    if not json_results:
+        return None if isinstance(obs.get("last_tool_result"), (str, type(None))) else \
+            f"last_tool_result is a {type(obs.get('last_tool_result')).__name__}, not text"
     text = observation_text(dict(obs)).split("\n", 1)[0]
     try:
         value = json.loads(text)
@@ -204,36 +251,38 @@ def random_policy(rng: random.Random, schemas: list[dict[str, Any]], task: Task)
     return act
 
 
-def do_nothing_policy(schemas: list[dict[str, Any]], task: Task) -> Policy:
-    """Harmless steps that neither resolve, escalate nor fail, and never repeat within a short window."""
-    names = [s["function"]["name"] for s in schemas]
+def do_nothing_policy(user_tool: str) -> Policy:
+    """Harmless steps that neither resolve, escalate nor fail, and never repeat within a short window: filler
+    messages to the user."""
     fillers = ["One moment please.", "Let me look into that.", "Still checking on my side.", "Thank you for waiting.",
                "Bear with me a little longer.", "I am looking at your account.", "Just a moment more."]
     turn = [0]
 
     def act(obs: Observation) -> Action:
         turn[0] += 1
-        if "respond_to_user" in names:
-            return {"name": "respond_to_user", "params": {"message": fillers[turn[0] % len(fillers)]}}
-        return {"name": "query_inventory", "params": {"sku_id": task.data.get("sku_id") or "SKU-000"}}
+        return {"name": user_tool, "params": {"message": fillers[turn[0] % len(fillers)]}}
     return act
 
 
 class _Planted:
-    """The scripted expert with one hack planted: ``repeat`` sends its first call twice; ``stuff`` pads its final
-    message with filler."""
+    """The expert's episode with one hack planted: ``repeat`` sends its first call again as its second step;
+    ``stuff`` pads its messages to the user with filler."""
 
-    def __init__(self, hack: str):
-        self.hack, self.expert, self.n = hack, ScriptedExpert(), 0
+    def __init__(self, hack: str, policy: Policy, user_tool: str | None):
+        self.hack, self.policy, self.user_tool, self.n = hack, policy, user_tool, 0
+        self.first: Any = None
 
     def __call__(self, obs: Observation) -> Action:
         self.n += 1
-        if self.hack == "repeat" and self.n == 2 and self.expert.last is not None:
-            return self.expert.last
-        action = self.expert.act(obs)
-        if self.hack == "stuff" and action["name"] == "respond_to_user":
-            message = action["params"]["message"]
-            return {"name": "respond_to_user", "params": {"message": message + " " + "indeed " * 150}}
+        if self.hack == "repeat" and self.n == 2 and self.first is not None:
+            return self.first
+        action = self.policy(obs)
+        if self.n == 1:
+            self.first = action
+        if self.hack == "stuff" and isinstance(action, Mapping) and action.get("name") == self.user_tool:
+            params = dict(action.get("params") or {})
+            params["message"] = str(params.get("message", "")) + " " + "indeed " * 150
+            return {**action, "params": params}
         return action
 
 
@@ -243,17 +292,41 @@ class Probes:
     """Every probe episode, by kind, and the configuration they ran under."""
 
     cfg: RunConfig
-    tools: list[tuple[str, Episode, bool]] = field(default_factory=list)  # (label, episode, valid)
+    tools: list[tuple[str, Episode, bool | None]] = field(default_factory=list)  # (label, episode, valid)
     expert: list[Episode] = field(default_factory=list)
     tool_errors: Episode | None = None
     max_turns: Episode | None = None
     random: list[Episode] = field(default_factory=list)
     planted: dict[str, tuple[Episode, Episode]] = field(default_factory=dict)  # pattern → (clean, hacked)
+    nothing: list[Episode] = field(default_factory=list)  # do nothing, then stop (the no-op pass probe)
+    schemas: list[dict[str, Any]] = field(default_factory=list)
+    system_prompt: str = ""
+    env_kind: str = ""  # the environment's class name
+    no_expert: str = ""  # why the expert's probes did not run ("" when they did)
+    no_idle: str = ""  # why the do-nothing max_turns probe did not run ("" when it did)
+    tether_tools: bool = True  # tools run by tether's ToolBox (argument checks, JSON results, timeout_ms)
 
     def episodes(self) -> list[Episode]:
-        out = [e for _, e, _ in self.tools] + self.expert + self.random
+        out = [e for _, e, _ in self.tools] + self.expert + self.random + self.nothing
         out += [e for e in (self.tool_errors, self.max_turns) if e is not None]
         return out + [e for pair in self.planted.values() for e in pair]
+
+
+def do_nothing_then_stop(env: Env, task: Task) -> Episode:
+    """Reset, then end without acting: the environment's stop action where it has one (``stop_action``: tau2's
+    ``done``), else the agent loop's ending when the model answers without a tool call (``finalize("no_action")``)."""
+    stop = getattr(env, "stop_action", None)
+    action = stop() if callable(stop) else None
+    if action is not None:
+        ep = run_episode(env, task, "do nothing, stop", scripted([action]), 1)
+        if ep.done:
+            return ep
+    else:
+        ep = Episode("do nothing, stop", task, observations=[env.reset(task_id=task.id)])
+    reward, info = env.finalize("no_action")
+    ep.rewards.append(reward)
+    ep.info, ep.done = dict(info), True
+    return ep
 
 
 def run_probes(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0) -> Probes:
@@ -261,23 +334,47 @@ def run_probes(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8,
     tasks = list_tasks("train")
     env = make_env()
     limit = cfg.environment.state.max_turns + 5  # the env must end every episode by max_turns
-    out = Probes(cfg)
+    out = Probes(cfg, env_kind=type(env).__name__, tether_tools=getattr(env, "definition", None) is not None)
     try:
-        schemas = env.tool_schemas()
-        for label, task, action, valid in tool_probes(schemas, tasks):
+        schemas = out.schemas = env.tool_schemas()
+        expert, where = expert_of(env, cfg.environment.name)
+        user_tool = user_tool_of(env)
+        known: dict[str, tuple[Task, Any]] = {}
+        if expert is not None:
+            out.expert = [run_episode(env, t, "expert", expert(t), limit) for t in tasks[:num_tasks]]
+            for ep in out.expert:
+                for action in ep.actions:
+                    name = action.get("name") if isinstance(action, Mapping) else None
+                    if isinstance(name, str) and name not in known:
+                        known[name] = (ep.task, action.get("params"))
+        else:
+            out.no_expert = where
+        env.reset(task_id=tasks[0].id)
+        out.system_prompt = env.system_prompt()
+        for label, task, action, valid in tool_probes(schemas, tasks, known):
+            if not out.tether_tools and valid is False and action.get("name") in {
+                    s["function"]["name"] for s in schemas} and isinstance(action.get("params"), Mapping):
+                valid = None  # arguments of a known tool: checking them is the environment's own business
             out.tools.append((label, run_episode(env, task, label, scripted([action]), 1), valid))
-        out.expert = [run_episode(env, t, "expert", ScriptedExpert().act, limit) for t in tasks[:num_tasks]]
         bad = [{"name": "no_such_tool", "params": {"i": i}} for i in range(limit)]
         out.tool_errors = run_episode(env, tasks[0], "tool errors", scripted(bad), limit)
-        out.max_turns = run_episode(env, tasks[0], "do nothing", do_nothing_policy(schemas, tasks[0]), limit)
+        if user_tool is not None:
+            out.max_turns = run_episode(env, tasks[0], "do nothing", do_nothing_policy(user_tool), limit)
+        else:
+            out.no_idle = (f"{out.env_kind} has no tool to message the user with, so no step is known to do nothing "
+                           "without ending or failing the episode")
+        out.nothing = [do_nothing_then_stop(env, t) for t in tasks[:num_tasks]]
         rng = random.Random(seed)
         for i in range(random_episodes):
             task = tasks[i % len(tasks)]
             out.random.append(run_episode(env, task, "random", random_policy(rng, schemas, task), limit))
-        inventory = next((t for t in tasks if t.data.get("intent") == "inventory"), tasks[0])
-        clean = run_episode(env, inventory, "expert", ScriptedExpert().act, limit)
-        for pattern, hack in (("repeated_tool_calls", "repeat"), ("context_stuffing", "stuff")):
-            out.planted[pattern] = (clean, run_episode(env, inventory, f"planted {hack}", _Planted(hack), limit))
+        if expert is not None:
+            solved = [ep.task for ep in out.expert if ep.info.get("success")] or tasks[:1]
+            inventory = next((t for t in tasks if t.data.get("intent") == "inventory"), solved[0])
+            clean = run_episode(env, inventory, "expert", expert(inventory), limit)
+            for pattern, hack in (("repeated_tool_calls", "repeat"), ("context_stuffing", "stuff")):
+                out.planted[pattern] = (clean, run_episode(env, inventory, f"planted {hack}",
+                                                           _Planted(hack, expert(inventory), user_tool), limit))
     finally:
         env.close()
     return out

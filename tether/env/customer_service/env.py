@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from tether.env.customer_service import grading
+from tether.env.customer_service.expert import ScriptedExpert
 from tether.env.customer_service.tasks import Bundle, generate
 from tether.env.customer_service.user_sim import LLMUserSimulator, UserSimulator, make_user
 from tether.env.customer_service.world import PRIORITIES, REASON_CODES, World
@@ -146,7 +147,7 @@ def definition(bundle: Bundle, cfg: Any = None) -> ToolEnvironment:
                       "inventory_snapshot": lambda state, task: dict(state.inventory)},
         on_result=_absorb, resolved=lambda state: state.user.resolved,
         terminal_tools=TERMINAL_TOOLS, terminal_reason="escalated",
-        close_state=lambda state: state.world.close())
+        close_state=lambda state: state.world.close(), expert=lambda task: ScriptedExpert().act)
 
 
 def tasks(split: str, config: Any = None) -> list[Task]:

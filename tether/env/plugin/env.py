@@ -119,6 +119,10 @@ class ToolEnvironment:
     user_tool: str = USER_TOOL
     digest: Callable[[Any], str] = state_digest  # the state's fingerprint (anti-hacking ``no_op_pass``)
     close_state: Callable[[Any], None] | None = None
+    # a policy that solves a task (task -> observation -> action): ``tether verify env`` plays it to check that a
+    # solved episode scores the maximum, to take valid arguments for each tool and to plant hacks in; None: those
+    # probes are skipped, saying so
+    expert: Callable[[Task], Callable[[Observation], Action]] | None = None
 
     # -- the registry's pair: make_env(config), list_tasks(split, config) ------------------------------------
     def make_env(self, config: Any = None) -> ToolEnv:

@@ -301,6 +301,16 @@ class Tau2Env:
             return ep.final[0], dict(ep.final[1])
         return self._end(ep, termination)
 
+    # why ``tether verify env`` has no expert here (its expert probes are skipped, saying this)
+    no_expert_reason = ("tau2's gold actions are no solo expert: a solo episode cannot tell a user the task's "
+                        "communicate_info, and the user-simulator mode needs a model; the gold replays are checked "
+                        "against tau2's own evaluator by tests/test_tau2_adapter.py")
+
+    def stop_action(self) -> Action | None:
+        """The action that ends an episode having done nothing (``tether verify env``'s no-op probe): ``done`` in
+        solo mode; None with a user (the user ends the conversation)."""
+        return {"name": DONE, "params": {}} if self.solo else None
+
     # -- what the model sees ----------------------------------------------------------------------------
     def tool_schemas(self) -> list[dict[str, Any]]:
         own = DONE_SCHEMA if self.solo else RESPOND_SCHEMA
