@@ -271,6 +271,11 @@ class LearnerConfig(Section):
     """Micro-batches accumulated per optimizer update, in micro-batches; divides mini_batch_size."""
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
     """Off-policy correction."""
+    overlap_rollout: bool = True
+    """Sync mode, when a step is one update on fresh weights (mini_batch_size = batch_size, update_frequency 1):
+    train each group as soon as it finishes, in a thread beside the rollout, instead of after the whole batch
+    (the same update, to float rounding; ``tether.pipeline.streaming``). ``perf/learner_overlap_s`` says how much
+    of the learner's time it moved under the rollout."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> LearnerConfig:

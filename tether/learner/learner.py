@@ -33,7 +33,10 @@ The leading tokens that every row of a micro-batch shares (the system prompt and
 go through the layers once, as a batch of one whose keys and values the rows attend to (``shared_prefix``).
 
 where every ``agg`` divides by the *whole mini-batch's* denominator (``tether.algo.loss_denominator`` summed over
-its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch.
+its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch: the
+micro-batch losses are back-propagated undivided and the summed gradient is divided once (``accumulate.py``). A
+step of one update on fresh weights can also be fed group by group as the rollout delivers them (``begin_step``,
+``Accumulation.add_trajectories``, ``finish_step``; ``tether.pipeline.streaming``).
 Then clip, and step AdamW unless something was non-finite (``optim.PolicyOptimizer``).
 
 Mini-batches are taken in the order the trajectories were given (no shuffling), so a group stays together
@@ -69,7 +72,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -80,11 +83,11 @@ from tether.algo import (
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
-    loss_denominator,
 )
 from tether.algo.aggregation import AggMode
 from tether.algo.kl_control import exceeds_max_kl, kl_controller
 from tether.config import RunConfig
+from tether.learner.accumulate import Accumulation, weighted_mean
 from tether.learner.batch import TrainBatch
 from tether.learner.detach import make_worker
 from tether.learner.logits import token_logits
@@ -200,29 +203,60 @@ class Learner:
             with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
                 batch.prox_logp = self._score(batch, device, skip=len(minis[0]) if fresh_first else 0)
             minis = batch.split(len(minis))  # the mini-batches again, now holding π_prox
-        norm_len = self.norm_len  # a constant of the config, never of this batch's lengths
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
         updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
         for k, mini in enumerate(updates):
-            kl = self._update(mini, device, norm_len, acc, prox_from_forward=fresh_first and k == 0)
+            kl = self._update(mini, acc, prox_from_forward=fresh_first and k == 0)
             if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
                 stopped = True  # the max-KL guard: skip the step's remaining updates
                 break
+        return self._finish(acc, kl_coef, stopped, len(trajectories), batch.num_tokens * self.epochs,
+                            time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------------ streamed step
+
+    @property
+    def streams(self) -> bool:
+        """Whether a step can be trained as its groups arrive (``begin_step``): it makes one optimizer update on
+        fresh weights (one pass, a mini-batch holding the whole batch), so every group's π_prox is its own forward,
+        in one process."""
+        fresh = not self.objective.needs_prox or (self.prox_from_forward and self.worker.name == "ActorWorker")
+        return self.epochs == 1 and self.mini_batch_size >= self.batch_size and fresh and not self.ranks.sharded
+
+    def begin_step(self) -> Accumulation:
+        """A step's single update, to be fed with ``add_trajectories`` (group by group, as the groups arrive) and
+        closed by ``finish_step``; the same update ``train_step`` makes (``streams`` says when it may be used)."""
+        if not self.streams:
+            raise RuntimeError(f"this learner's step is not one update on fresh weights ({self.describe()})")
+        return Accumulation(self, prox_from_forward=self.objective.needs_prox)
+
+    def finish_step(self, update: Accumulation) -> dict[str, float]:
+        """Apply the step's update; returns and records the metrics, as ``train_step`` does."""
+        if not update.trajectories:
+            raise ValueError("finish_step: no trajectories were added")
+        t0, kl_coef = time.perf_counter(), self.kl_coef
+        acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        kl = update.apply(acc)
+        stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)  # as train_step counts
+        return self._finish(acc, kl_coef, stopped, update.trajectories, update.forwarded_tokens,
+                            update.busy_s + time.perf_counter() - t0)
+
+    def _finish(self, acc: dict[str, list[tuple[float, float]]], kl_coef: float, stopped: bool, trajectories: int,
+                tokens: int, elapsed: float) -> dict[str, float]:
+        """Close a step: version, KL controller, the step's metrics (returned and recorded)."""
         self.kl_guard_stops += stopped
         self.version += 1
-        elapsed = time.perf_counter() - t0
-
-        metrics = {name: _weighted_mean(vals) for name, vals in acc.items()}
+        metrics = {name: weighted_mean(vals) for name, vals in acc.items()}
         metrics.setdefault("optim/grad_norm", math.nan)  # every update of the step was skipped
         metrics["optim/kl_coef"] = float(kl_coef)
         metrics["optim/kl_guard_stops"] = float(self.kl_guard_stops)
         metrics["optim/skipped_steps"] = float(self.optimizer.skipped_steps)
         if math.isfinite(metrics.get("optim/kl_divergence", math.nan)):  # β for the next step
-            self.kl_control.update(metrics["optim/kl_divergence"], n_steps=len(trajectories))
-        metrics["perf/tokens_per_s"] = batch.num_tokens * self.epochs / max(elapsed, 1e-9)
+            self.kl_control.update(metrics["optim/kl_divergence"], n_steps=trajectories)
+        metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         for name, value in metrics.items():
             record_metric(name, value, reduce="last" if name in _LAST else "mean")
         return metrics
@@ -246,38 +280,16 @@ class Learner:
         self.model.train(was_training)
         return self.ranks.sum(out)  # every rank's rows (out itself in one process)
 
-    def _update(self, mini: TrainBatch, device: torch.device, norm_len: int,
-                acc: dict[str, list[tuple[float, float]]], prox_from_forward: bool = False) -> float | None:
+    def _update(self, mini: TrainBatch, acc: dict[str, list[tuple[float, float]]],
+                prox_from_forward: bool = False) -> float | None:
         """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
         reference that it measured, None when KL is off or the update was skipped. ``prox_from_forward``: the
         weights are those of the step's start, so π_prox is this forward's own logp (detached)."""
-        micros = [mb.to(device) for mb in mini.split(min(self.gradient_accumulation_steps, mini.num_trajectories))]
-        # Global denominator: the loss positions of the whole mini-batch, in the units of the aggregation mode.
-        denom = cast(torch.Tensor, sum(loss_denominator(mb.loss_mask[:, 1:], self.loss_agg_mode) for mb in micros))
-        self.optimizer.zero_grad()
-        total = torch.zeros((), device=device)
-        tok: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for mb in micros:
-            mine, weight = self.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
-            loss, tok_metrics = self._micro_loss(mine, denom, norm_len, prox_from_forward)
-            (loss if weight == 1.0 else loss * weight).backward()
-            total += loss.detach() * weight
-            n_tok = float(mine.loss_mask.sum()) * weight
-            for name, value in tok_metrics.items():
-                tok[name].append((float(value), n_tok))
-        tok = self.ranks.merge(tok)  # over the ranks: every rank sees the same metrics, KL and loss
-        for name, values in tok.items():
-            acc[name].extend(values)
-        kl = tok.get("optim/kl_divergence", [])
-        total = self.ranks.sum(total)
-        result = self.optimizer.update(loss_is_finite=bool(torch.isfinite(total)))
-        acc["optim/loss"].append((float(total), 1.0))
-        acc["optim/lr"] = [(result.lr, 1.0)]
-        if result.applied:  # the mean grad norm is over applied updates; a skipped one shows in skipped_steps
-            acc["optim/grad_norm"].append((result.grad_norm, 1.0))
-        return _weighted_mean(kl) if kl and result.applied else None  # a skipped update moved nothing
+        update = Accumulation(self, prox_from_forward=prox_from_forward)
+        update.add(mini)
+        return update.apply(acc)
 
-    def _micro_loss(self, mb: TrainBatch, denom: torch.Tensor, norm_len: int,
+    def _micro_loss(self, mb: TrainBatch, denom: float | torch.Tensor, norm_len: int,
                     prox_from_forward: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the mini-batch loss, and its per-token metrics."""
         ids = mb.input_ids[:, 1:]  # [b, T-1] targets: logits at t-1 predict token t
@@ -293,7 +305,8 @@ class Learner:
         agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=denom,
                                    norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
 
-        weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if mb.prox_logp is not None else (None, {})
+        scored = prox_from_forward or mb.prox_logp is not None  # π_prox ≠ π_behav: the correction applies
+        weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if scored else (None, {})
         pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]
         loss = aggregate(pg_tok, mask, **agg)
         metrics = {f"optim/{k}": m_pg[k] for k in _LOSS_METRICS if k in m_pg}
@@ -348,10 +361,3 @@ def _pad_id(model: torch.nn.Module) -> int:
         if value is not None:
             return int(value)
     return 0  # any id works: padding is masked out of attention and of the loss
-
-
-def _weighted_mean(values: list[tuple[float, float]]) -> float:
-    weight = math.fsum(w for _, w in values)
-    if weight == 0:  # e.g. per-token metrics of a step with no model tokens
-        return math.fsum(v for v, _ in values) / len(values)
-    return math.fsum(v * w for v, w in values) / weight

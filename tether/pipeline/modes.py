@@ -65,9 +65,13 @@ class StepBatch:
         return [p.group for p in self.produced if not p.dropped]
 
 
+OnGroup = Callable[[Produced], None]  # told of each group of the step as it finishes (sync mode)
+
+
 class BatchSource(Protocol):
-    def next_batch(self, step: int) -> StepBatch:
-        """The ``prompts_per_step`` groups of ``step``."""
+    def next_batch(self, step: int, on_group: OnGroup | None = None) -> StepBatch:
+        """The ``prompts_per_step`` groups of ``step``; ``on_group`` hears of each as it finishes, where the groups
+        are made for the step (sync mode; the async modes made them before)."""
 
     def state_dict(self) -> dict:
         """What a checkpoint needs so that a resumed run neither repeats nor loses a group (ledger.py)."""
@@ -93,7 +97,7 @@ class SyncSource:
         self.ledger, self.max_groups_in_flight, self.hacking_patterns = ledger, max_groups_in_flight, hacking_patterns
         self.normalization = normalization  # advantage.normalization, for optim/advantage_std_before_filter
 
-    async def _produce(self, step: int) -> list[Produced]:
+    async def _produce(self, step: int, on_group: OnGroup | None) -> list[Produced]:
         tasks = self.batch_tasks(step)
         sem = asyncio.Semaphore(self.max_groups_in_flight)
 
@@ -106,13 +110,15 @@ class SyncSource:
                     produced = Produced(Group(task.id, []), step, k, dropped=True, failed=True)
             if k == 0:
                 fault("produce", step)
+            if on_group is not None:
+                on_group(produced)
             return produced
 
         return list(await asyncio.gather(*(one(k, t, n) for k, (t, n) in enumerate(zip(tasks, self.sizes(tasks))))))
 
-    def next_batch(self, step: int) -> StepBatch:
+    def next_batch(self, step: int, on_group: OnGroup | None = None) -> StepBatch:
         t = time.perf_counter()
-        produced = asyncio.run(self._produce(step))
+        produced = asyncio.run(self._produce(step, on_group))
         elapsed = time.perf_counter() - t
         for p in produced:
             self.ledger.settle(p.step, p.index)
@@ -245,7 +251,8 @@ class AsyncSource:
         for q in records:
             self.ledger.settle(q.produced.step, q.produced.index)
 
-    def next_batch(self, step: int) -> StepBatch:
+    def next_batch(self, step: int, on_group: OnGroup | None = None) -> StepBatch:
+        """``on_group`` is not called: the groups were made before the trainer asked for them."""
         t = time.perf_counter()
         kept: list[QueuedGroup] = []
         while len(kept) < self.groups_per_step:

@@ -4,6 +4,9 @@ degenerate-group resampling) in shaping.py.
 
     next batch → group-relative advantages → learner update → weight sync when due → monitors → log / eval / save
 
+(in sync mode the learner update starts while the batch is generated: each group is trained as it finishes,
+``streaming.py``).
+
 Steps are numbered from 1; held-out evaluation is logged at step 0 (before any update), every
 ``trainer.eval_every`` steps and at the end. The tasks of step s are a pure function of (seed, s), so a
 resumed run trains exactly the batches the uninterrupted run would have, none twice.
@@ -25,6 +28,7 @@ from tether.pipeline.faults import fault
 from tether.pipeline.monitors import Monitors, MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
+from tether.pipeline.streaming import StepUpdate
 from tether.types import Group, Trajectory
 
 
@@ -50,15 +54,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         eval_after = eval_before
         for step in range(run.start + 1, tr.total_steps + 1):
             t0, busy = time.perf_counter(), run.rt.engine.stats["busy_s"]
-            batch = run.source.next_batch(step)
-            fault("batch", step)
-            if (warning := no_signal_warning(batch.produced, step)) is not None:
-                run.progress.warn(warning)
-            trajs, adv = advantages(cfg, batch.groups)
-            if trajs:
-                run.learner.train_step(trajs, adv)  # records the optim/* metrics itself
-            else:  # every group was dropped by the degenerate-group filter: nothing to learn from
-                run.learner.skip_step()
+            with StepUpdate(cfg, run.learner) as update:  # sync mode: trains each group as it finishes
+                batch = run.source.next_batch(step, on_group=update.offer)
+                fault("batch", step)
+                if (warning := no_signal_warning(batch.produced, step)) is not None:
+                    run.progress.warn(warning)
+                trajs, adv = advantages(cfg, batch.groups)
+                if not update.train(batch.produced, trajs, adv):  # records the optim/* metrics
+                    run.learner.skip_step()  # every group was dropped by the degenerate-group filter
             run.allocator.observe(batch.groups, step)
             fault("update", step)
             run.weights.after_step(step)

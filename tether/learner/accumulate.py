@@ -1,0 +1,108 @@
+"""One optimizer update, its gradient summed micro-batch by micro-batch as the data arrives: ``Accumulation``.
+
+Every aggregation mode divides a sum over tokens (or sequences) by a denominator of the whole mini-batch
+(``tether.algo.aggregation``). The micro-batch losses are back-propagated *undivided* (denominator 1) and the
+summed gradient is divided once, before clipping, by the denominator of everything that was added:
+
+    ∇ (Σ_micro Σ_tok ℓ) / D  =  ∇ Σ_micro (Σ_tok ℓ / D)
+
+so the update is the one-pass update over the mini-batch (to float rounding), and D need not be known before the
+last micro-batch. That is what lets the trainer start on a step's first groups while the rollout still generates the
+others (``tether.pipeline.streaming``): the learner's forward and backward overlap generation instead of following
+it. A micro-batch holds at most ``micro_batch_size`` trajectories; the trajectories of one ``add`` are split into
+near-equal micro-batches, so a group added on its own is one micro-batch (its episodes share their whole first
+prompt, which ``token_logits`` then runs once).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tether.algo import loss_denominator
+from tether.learner.batch import TrainBatch
+from tether.types import Trajectory
+
+if TYPE_CHECKING:
+    from tether.learner.learner import Learner
+
+Pairs = dict[str, list[tuple[float, float]]]  # metric -> [(value, weight)]
+
+
+class Accumulation:
+    """The gradient of one optimizer update, built from any number of ``add`` calls; ``apply`` steps once.
+
+    ``prox_from_forward``: the weights are those of the step's start, so π_prox is each micro-batch's own forward
+    (detached). Calls must not overlap (one thread at a time); metrics are kept here and recorded by the learner.
+    """
+
+    def __init__(self, learner: Learner, *, prox_from_forward: bool):
+        self.learner, self.prox_from_forward = learner, prox_from_forward
+        self.device = next(learner.model.parameters()).device
+        self.denom = torch.zeros((), device=self.device)  # Σ loss_denominator of every micro-batch added
+        self.loss = torch.zeros((), device=self.device)  # Σ undivided micro-batch losses
+        self.tokens: Pairs = defaultdict(list)  # per-token metrics, weighted by model tokens
+        self.trajectories = self.forwarded_tokens = 0
+        self.busy_s = 0.0  # wall time spent in add
+        learner.optimizer.zero_grad()
+        learner.model.train()
+
+    def add_trajectories(self, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor) -> None:
+        """Forward and back-propagate ``trajectories`` (one advantage each) now."""
+        learner = self.learner
+        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=learner.pad_id)
+        if learner.distill is not None:  # the teacher's scores as batch tensors
+            learner.distill.attach(batch, trajectories)
+        self.add(batch)
+
+    def add(self, batch: TrainBatch) -> None:
+        """Forward and back-propagate ``batch`` now, in micro-batches of at most ``micro_batch_size`` trajectories."""
+        t0 = time.perf_counter()
+        learner = self.learner
+        n = batch.num_trajectories
+        for mb in batch.split(-(-n // learner.micro_batch_size)):
+            mb = mb.to(self.device)
+            self.denom += loss_denominator(mb.loss_mask[:, 1:], learner.loss_agg_mode)  # the whole micro-batch's
+            mine, weight = learner.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
+            loss, metrics = learner._micro_loss(mine, 1.0, learner.norm_len, self.prox_from_forward)
+            (loss if weight == 1.0 else loss * weight).backward()
+            self.loss += loss.detach() * weight
+            n_tok = float(mine.loss_mask.sum()) * weight
+            for name, value in metrics.items():
+                self.tokens[name].append((float(value), n_tok))
+        self.trajectories += n
+        self.forwarded_tokens += batch.num_tokens
+        self.busy_s += time.perf_counter() - t0
+
+    def apply(self, acc: Pairs) -> float | None:
+        """Divide the summed gradient by the denominator, clip and step (or skip when non-finite); add the metrics
+        to ``acc``. Returns the KL to the reference the update measured (None when KL is off or it was skipped)."""
+        learner = self.learner
+        # every rank added the whole micro-batches (each back-propagated its share), so the denominator is global
+        denom = self.denom.clamp_min(1.0)  # as aggregate clamps: all masked → loss 0, not NaN
+        for p in learner.optimizer.params:
+            if p.grad is not None:
+                p.grad.div_(denom.to(p.grad.device))
+        tokens = learner.ranks.merge(self.tokens)  # over the ranks: every rank sees the same metrics, KL and loss
+        for name, values in tokens.items():
+            acc[name].extend(values)
+        total = learner.ranks.sum(self.loss) / denom
+        result = learner.optimizer.update(loss_is_finite=bool(torch.isfinite(total)))
+        acc["optim/loss"].append((float(total), 1.0))
+        acc["optim/lr"] = [(result.lr, 1.0)]
+        if result.applied:  # the mean grad norm is over applied updates; a skipped one shows in skipped_steps
+            acc["optim/grad_norm"].append((result.grad_norm, 1.0))
+        kl = tokens.get("optim/kl_divergence", [])
+        return weighted_mean(kl) if kl and result.applied else None  # a skipped update moved nothing
+
+
+def weighted_mean(values: list[tuple[float, float]]) -> float:
+    weight = math.fsum(w for _, w in values)
+    if weight == 0:  # e.g. per-token metrics of a step with no model tokens
+        return math.fsum(v for v, _ in values) / len(values)
+    return math.fsum(v * w for v, w in values) / weight

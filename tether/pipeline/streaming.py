@@ -1,0 +1,155 @@
+"""A step's learner update, fed group by group — in sync mode while the rollout still generates the rest.
+
+When the step is one optimizer update on fresh weights (``Learner.streams``: the demo's case), the update is a sum
+over the step's groups (``tether.learner.accumulate``), so a finished group can be forwarded and back-propagated
+at once. In sync mode that happens in a worker thread while the engine generates the other groups and runs the
+degenerate-group filter's resample attempts (``learner.overlap_rollout``): the learner's work moves under the
+rollout's tail instead of following it. When the rollout is done the trainer takes over the groups not yet trained
+(with every torch thread), then applies the update. A dropped group is never trained; nothing else changes what
+is trained: the step's groups, their advantages and the single update are those of ``Learner.train_step`` (to float
+rounding: the gradient is summed in another order).
+
+Order. Groups are trained as they finish; with ``trainer.deterministic`` in the order of the step's task list
+(a group waits for those before it), so that a run repeats bit for bit. In the async modes the groups are
+produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
+
+Threads. While the rollout runs, the worker uses ``OVERLAP_THREADS`` torch threads, leaving the other core to the
+engine (an OpenMP team of two threads on a core another busy thread holds waits for it at every barrier).
+
+Metrics: ``perf/learner_overlap_s`` — learner seconds spent while the rollout was still running (0 without
+overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tether.algo import group_advantages
+from tether.config import RunConfig
+from tether.learner.accumulate import Accumulation
+from tether.learner.learner import Learner
+from tether.metrics import record_metric
+from tether.pipeline.shaping import Produced
+from tether.types import Trajectory
+
+OVERLAP_THREADS = 1  # torch threads of the learner while the rollout runs (see the module docstring)
+
+
+class StepUpdate:
+    """One step's learner update, a context manager. ``offer`` (from the rollout's event loop) hands it a finished
+    group; ``train`` (after the batch) trains what is left and applies the update.
+
+    A learner whose step is several updates (or advantages normalised over the batch) is not fed group by group:
+    ``train`` then calls ``Learner.train_step`` on the whole batch."""
+
+    def __init__(self, cfg: RunConfig, learner: Learner):
+        self.learner = learner
+        adv = cfg.policy_optimization.advantage
+        self.normalization, self.min_std = adv.normalization, adv.degenerate_group_filter.min_reward_std
+        self.streams = learner.streams and self.normalization != "batch"  # a group's advantages are its own
+        self.overlap = self.streams and cfg.learner.overlap_rollout and cfg.rollout.mode == "sync"
+        self.ordered = cfg.trainer.deterministic
+        self.update: Accumulation | None = None
+        self.trained: list[int] = []  # ids of the Produced added, in the order they were
+        self._held: dict[int, Produced | None] = {}  # ordered mode: finished groups waiting for earlier ones
+        self._next = 0  # ordered mode: the next index to release
+        self._todo: queue.SimpleQueue[Produced | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # one add at a time (worker or trainer)
+        self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
+        self.overlap_s = 0.0
+
+    # -- rollout side (the event loop's thread) --------------------------------------------------------------
+    def offer(self, produced: Produced) -> None:
+        """A finished group of the step (any order; each index once)."""
+        if not self.overlap:
+            return
+        if not self.ordered:
+            self._submit(produced)
+            return
+        self._held[produced.index] = produced
+        while self._next in self._held:
+            self._submit(self._held.pop(self._next))
+            self._next += 1
+
+    def _submit(self, produced: Produced | None) -> None:
+        if produced is None or produced.dropped or not produced.group.trajectories:
+            return
+        self._todo.put(produced)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="tether-learner", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(OVERLAP_THREADS)  # this thread's OpenMP team
+        try:
+            while not self._handoff.is_set():
+                try:
+                    produced = self._todo.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if produced is None:
+                    break
+                t0 = time.perf_counter()
+                self._add(produced)
+                self.overlap_s += time.perf_counter() - t0
+        except BaseException as e:  # surfaced by finish, never swallowed
+            self._error = e
+        finally:
+            torch.set_num_threads(saved)  # restores the process default that new threads start from
+
+    # -- trainer side ----------------------------------------------------------------------------------------
+    def _add(self, produced: Produced) -> None:
+        with self._lock:
+            if self.update is None:
+                self.update = self.learner.begin_step()
+            trajs = produced.group.trajectories
+            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+            adv, _ = group_advantages(rewards, group_sizes=[len(trajs)], normalization=self.normalization,
+                                      min_std=self.min_std)
+            self.update.add_trajectories(trajs, adv)
+            self.trained.append(id(produced))
+
+    def _stop_worker(self) -> None:
+        self._handoff.set()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def train(self, produced: Sequence[Produced], trajectories: list[Trajectory], advantages: torch.Tensor) -> bool:
+        """Train the step: ``produced`` is every group delivered (in task order), ``trajectories`` and ``advantages``
+        those of the groups to train (as ``Learner.train_step`` takes them). False when there was nothing to train."""
+        self._stop_worker()
+        if self._error is not None:
+            raise self._error
+        if not self.streams:
+            if trajectories:
+                self.learner.train_step(trajectories, advantages)  # records the optim/* metrics itself
+            return bool(trajectories)
+        t0 = time.perf_counter()
+        kept = [p for p in produced if not p.dropped and p.group.trajectories]
+        done = set(self.trained)
+        for p in kept:
+            if id(p) not in done:
+                self._add(p)
+        if len(self.trained) != len(kept) or sum(len(p.group.trajectories) for p in kept) != len(trajectories):
+            raise RuntimeError(f"the streamed update trained {len(self.trained)} groups of {len(kept)}")
+        if self.update is None:
+            return False
+        self.learner.finish_step(self.update)
+        record_metric("perf/learner_overlap_s", self.overlap_s, "last")
+        record_metric("perf/learner_after_rollout_s", time.perf_counter() - t0, "last")
+        return True
+
+    def __enter__(self) -> StepUpdate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_worker()
