@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from transformers import (
 
 from tether.engine import GenerationResult, InferenceEngine, SamplingParams
 from tether.engine.forward import LlamaFamilyRunner
-from tether.engine.local import LocalEngine
+from tether.engine.local import LocalEngine, shared_prompt
 from tether.engine.prefix_cache import PrefixIndex
 from tether.engine.sampling import sample
 from tether.learner import build_tiny, load_model_and_tokenizer
@@ -99,6 +100,36 @@ def test_fast_forward_matches_hf(kind):
         out = runner.decode([6, 6, 6])
         assert (out[0] - ref[2][-1]).abs().max().item() < 1e-5
         assert (out[2] - ref[0][-1]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_decode_with_a_shared_prompt_matches_hf(kind):
+    """Cascade attention: the common first 40 tokens' keys read once, from the first slot, for every query (the
+    other slots' copies are overwritten with garbage to prove they are not read); the logits are HF's."""
+    model = _small(kind)
+    g = torch.Generator().manual_seed(2)
+    common = torch.randint(0, 128, (40,), generator=g).tolist()
+    seqs = [common + torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 20, 11, 1)]
+    with torch.no_grad():
+        ref = [model(torch.tensor([s + [7]])).logits[0, -1] for s in seqs]  # [V]
+    runner = LlamaFamilyRunner(model)
+    with torch.inference_mode():
+        runner.prefill(seqs, [0, 1, 2, 3])
+        for layer in (*runner.cache.k, *runner.cache.v):
+            layer[1:4, :, :40] = 1e4  # slots 1-3's copies of the shared keys and values: never read
+        out = runner.decode([7, 7, 7, 7], shared=40)
+    assert max((out[i] - ref[i]).abs().max().item() for i in range(4)) < 1e-4
+
+
+def test_shared_prompt_is_the_common_prefix_of_the_running_prompts():
+    def reqs(*prompts):
+        return [SimpleNamespace(prompt=p) for p in prompts]
+
+    base = list(range(100))
+    assert shared_prompt(reqs(base + [1, 2], base + [3], base)) == 100
+    assert shared_prompt(reqs(base, base[:70] + [0] * 30)) == 70  # bisected to the first difference
+    assert shared_prompt(reqs(base, base[:20])) == 0  # below MIN_SHARED_PROMPT
+    assert shared_prompt(reqs(base)) == 0  # one request: nothing to share
 
 
 # --- LocalEngine vs HF ---------------------------------------------------------------------------------

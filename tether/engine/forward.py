@@ -26,6 +26,8 @@ from transformers import DynamicCache
 from tether.engine.kv_cache import SlotKVCache
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# scaled_dot_product_attention's CPU kernel, which also returns the log-sum-exp of each query's scores
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def fast_path_problem(model: Any) -> str | None:
@@ -220,8 +222,12 @@ class LlamaFamilyRunner:
         self.cache.lengths[slot_idx] = start + new_lens
         return self._logits(x[torch.arange(k), new_lens - 1])
 
-    def decode(self, tokens: list[int], first: int = 0) -> torch.Tensor:
-        """Append ``tokens[i]`` to slot ``first + i`` for i < n; returns next-token logits [n, V]."""
+    def decode(self, tokens: list[int], first: int = 0, shared: int = 0) -> torch.Tensor:
+        """Append ``tokens[i]`` to slot ``first + i`` for i < n; returns next-token logits [n, V].
+
+        ``shared``: the first ``shared`` cached positions hold the same tokens in every decoded slot (a system prompt
+        and tool list): attention reads their keys and values once, from slot ``first``, for all the queries
+        (``_attend_shared``), instead of once per slot."""
         n, cache = len(tokens), self.cache
         s = slice(first, first + n)  # the slots decoded
         L = int(cache.lengths[s].max()) + 1
@@ -241,12 +247,32 @@ class LlamaFamilyRunner:
             # Grouped-query attention without repeating the cache: the query heads of one KV head
             # become that head's query "positions".
             q = q.view(n, self.num_kv_heads, rep, self.head_dim)
-            a = F.scaled_dot_product_attention(q, cache.k[i][s, :, :L], cache.v[i][s, :, :L],
-                                               attn_mask=mask, scale=self.scaling)
+            if shared:
+                a = self._attend_shared(q, i, first, n, shared, L, mask[..., shared:])
+            else:
+                a = F.scaled_dot_product_attention(q, cache.k[i][s, :, :L], cache.v[i][s, :, :L],
+                                                   attn_mask=mask, scale=self.scaling)
             x = x + F.linear(a.reshape(n, -1), w.o, w.o_bias)
             x = self._mlp(w, x)
         cache.lengths[s] += 1
         return self._logits(x)
+
+    def _attend_shared(self, q: torch.Tensor, layer: int, first: int, n: int, shared: int, length: int,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [n, KV, rep, hd] over positions [0, length) of slots first..first+n-1, whose first
+        ``shared`` positions are the same keys and values in every slot (cascade attention): the shared part is one
+        attention of all n·rep queries per KV head over slot ``first``'s keys, the rest one per slot over its own,
+        and the two are merged by their log-sum-exps. ``mask`` [n, 1, 1, length - shared] additive."""
+        kv, rep, hd = self.num_kv_heads, q.shape[2], self.head_dim
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        s = slice(first, first + n)
+        qp = q.transpose(0, 1).reshape(1, kv, n * rep, hd)  # every query of a KV head, one batch row
+        out_p, lse_p = _flash(qp, k[first:first + 1, :, :shared], v[first:first + 1, :, :shared], scale=self.scaling)
+        out_p, lse_p = out_p.view(kv, n, rep, hd).transpose(0, 1), lse_p.view(kv, n, rep).transpose(0, 1)
+        out_s, lse_s = _flash(q, k[s, :, shared:length], v[s, :, shared:length], attn_mask=mask, scale=self.scaling)
+        top = torch.maximum(lse_p, lse_s)
+        w_p, w_s = (lse_p - top).exp_().unsqueeze(-1), (lse_s - top).exp_().unsqueeze(-1)  # [n, KV, rep, 1]
+        return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
     def swap(self, a: list[int], b: list[int]) -> None:
         self.cache.swap(a, b)
@@ -284,7 +310,8 @@ class HFRunner:
             out.append(self._forward(seq, cache))
         return torch.stack(out)
 
-    def decode(self, tokens: list[int], first: int = 0) -> torch.Tensor:
+    def decode(self, tokens: list[int], first: int = 0, shared: int = 0) -> torch.Tensor:
+        """``shared`` is ignored: every sequence attends over its own cache."""
         return torch.stack([self._forward([t], self.caches[first + i]) for i, t in enumerate(tokens)])
 
     def truncate(self, slot: int, n: int) -> None:

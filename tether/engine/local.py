@@ -88,6 +88,29 @@ class _Update:
     error: Exception | None = None
 
 
+MIN_SHARED_PROMPT = 32  # tokens; below this the decode step attends over every slot's own keys
+
+
+def shared_prompt(running: list[_Request]) -> int:
+    """How many leading prompt tokens every running request has in common (the system prompt and tool list of
+    an environment's episodes; a group's whole first prompt), 0 below ``MIN_SHARED_PROMPT`` or for one request.
+    The decode step reads their keys and values once for all (``LlamaFamilyRunner.decode``'s ``shared``)."""
+    if len(running) < 2:
+        return 0
+    ref = running[0].prompt
+    p = min(len(r.prompt) for r in running)
+    for r in running[1:]:
+        if r.prompt[:p] != ref[:p]:  # C-speed slice comparisons; bisect the first difference
+            lo, hi = 0, p - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if r.prompt[:mid] == ref[:mid] else (lo, mid - 1)
+            p = lo
+        if p < MIN_SHARED_PROMPT:
+            return 0
+    return p
+
+
 def _resolve(future: asyncio.Future, result: Any) -> None:
     if future.done():  # cancelled by the caller
         return
@@ -325,8 +348,9 @@ class LocalEngine:
         if slots.running:
             self._segment_steps += 1
             running = slots.running
+            shared = 0 if self.deterministic else shared_prompt(running)
             for a, b in self._batches(len(running)):
-                logits = self._runner.decode([r.tokens[-1] for r in running[a:b]], first=a)
+                logits = self._runner.decode([r.tokens[-1] for r in running[a:b]], first=a, shared=shared)
                 self._emit(running[a:b], logits, version)
             self._retire()
 
