@@ -25,9 +25,9 @@ estimation for RL", arXiv 2506.09477): back-propagating k1 itself gives E_q[∇l
         toward τ × the teacher's logits: a student distilled from itself would move).
     k3: ℓ_t = sg(ρ_t) · k3(log q, log p)  back-propagated     ∇ = E_μ[ρ (1 − p/q) ∇log q] = ∇KL(p ‖ q)
         — verl's OPD default (``distillation_loss.loss_mode: k3``, GRPO's KL term). Its value estimates the
-        reverse KL, but its expected gradient is that of the *forward* KL KL(p ‖ q) over the full vocabulary at
-        each visited state. Same fixed point (q = p), different path. k3 is clamped as in ``tether.algo.kl``
-        (log r to ±20, k3 ≤ 10: a token past the clamp passes no gradient).
+        reverse KL, but its expected gradient (at τ = 1) is that of the *forward* KL KL(p ‖ q) over the full
+        vocabulary at each visited state. Same fixed point (q = p), different path. k3 is clamped as in
+        ``tether.algo.kl`` (log r to ±20, k3 ≤ 10: a token past the clamp passes no gradient).
 
 **Top-k forward KL** (``topk_forward_kl``): where the teacher returns its top-k log-probs at each position
 (GKD's forward KL, Agarwal et al. 2023, arXiv 2306.13649, on student-generated states), over the K teacher ids
