@@ -179,7 +179,7 @@ def attach(timers: Timers, model_config: Any) -> None:
         pairs = sum(sum(range(st + 1, len(s) + 1)) for s, st in zip(seqs, starts))
         timers.count("prefill", fl.forward(sum(new), pairs, len(seqs)), sum(new), rows=sum(new))
 
-    def m_decode(self: Any, tokens: list[int], first: int = 0) -> None:
+    def m_decode(self: Any, tokens: list[int], first: int = 0, **kwargs: Any) -> None:
         ctx = int(self.cache.lengths[first:first + len(tokens)].sum()) + len(tokens)
         timers.count("decode", fl.forward(len(tokens), ctx, len(tokens)), len(tokens), rows=len(tokens))
 

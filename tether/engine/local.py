@@ -185,6 +185,7 @@ class LocalEngine:
         self._updates: list[_Update] = []
         self._closed = False
         self._queue: deque[_Request] = deque()  # worker-side queue, admitted in order
+        self._threads_changed = False  # set_num_threads: the worker applies it before its next step
         self._thread = threading.Thread(target=self._loop, name="tether-local-engine", daemon=True)
         self._thread.start()
 
@@ -235,6 +236,15 @@ class LocalEngine:
         if update.error is not None:
             raise update.error
 
+    def set_num_threads(self, n: int) -> None:
+        """The worker's torch threads from its next step on (e.g. half the cores when a learner computes beside it)."""
+        if n < 1:
+            raise ValueError(f"num_threads must be >= 1, got {n}")
+        with self._cv:
+            self.num_threads = n
+            self._threads_changed = True
+            self._cv.notify()
+
     def close(self) -> None:
         """Stop the worker; requests still waiting or running end with finish_reason "abort"."""
         with self._cv:
@@ -258,10 +268,13 @@ class LocalEngine:
             while True:
                 with self._cv:
                     while not (self._closed or self._waiting or self._queue or self._slots.running
-                               or self._updates):
+                               or self._updates or self._threads_changed):
                         self._cv.wait()
                     if self._closed:
                         break
+                    if self._threads_changed and self.num_threads:
+                        torch.set_num_threads(self.num_threads)
+                        self._threads_changed = False
                     updates = []
                     if self._updates and self._may_interrupt():
                         updates, self._updates = self._updates, []

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from tether.config import RunConfig
+from tether.engine.local import LocalEngine
 from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from tether.learner.fsdp import run_learner, unsharded
 from tether.learner.learner import Learner
@@ -31,6 +32,7 @@ from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
+from tether.pipeline.streaming import overlaps, split_threads
 from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
 from tether.runtime import Runtime, local_engine
@@ -225,6 +227,8 @@ class Run:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
             learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
+            if overlaps(cfg, learner) and isinstance(rt.engine, LocalEngine):  # engine and learner compute at once
+                rt.engine.set_num_threads(split_threads())
             derived = cfg.derived()
             sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
             allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})

@@ -13,8 +13,10 @@ Order. Groups are trained as they finish; with ``trainer.deterministic`` in the 
 (a group waits for those before it), so that a run repeats bit for bit. In the async modes the groups are
 produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
 
-Threads. While the rollout runs, the worker uses ``OVERLAP_THREADS`` torch threads, leaving the other core to the
-engine (an OpenMP team of two threads on a core another busy thread holds waits for it at every barrier).
+Threads. While both compute, the engine's thread and the learner's worker each get half the trainer's torch threads
+(``split_threads``; one each on two cores): an OpenMP team of two threads on a core that another busy thread
+holds waits for it at every barrier, which measured slower than one thread each. After the rollout the trainer's
+own thread trains what is left with all of them.
 
 Metrics: ``perf/learner_overlap_s`` — learner seconds spent while the rollout was still running (0 without
 overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
@@ -37,7 +39,16 @@ from tether.metrics import record_metric
 from tether.pipeline.shaping import Produced
 from tether.types import Trajectory
 
-OVERLAP_THREADS = 1  # torch threads of the learner while the rollout runs (see the module docstring)
+
+def overlaps(cfg: RunConfig, learner: Learner) -> bool:
+    """Whether the learner trains beside the rollout in this run (``learner.overlap_rollout`` where it can act)."""
+    return (cfg.learner.overlap_rollout and cfg.rollout.mode == "sync" and learner.streams
+            and cfg.policy_optimization.advantage.normalization != "batch")
+
+
+def split_threads() -> int:
+    """Torch threads for each of the two that compute at once (engine, learner worker): half of this thread's."""
+    return max(1, torch.get_num_threads() // 2)
 
 
 class StepUpdate:
@@ -52,7 +63,8 @@ class StepUpdate:
         adv = cfg.policy_optimization.advantage
         self.normalization, self.min_std = adv.normalization, adv.degenerate_group_filter.min_reward_std
         self.streams = learner.streams and self.normalization != "batch"  # a group's advantages are its own
-        self.overlap = self.streams and cfg.learner.overlap_rollout and cfg.rollout.mode == "sync"
+        self.overlap = overlaps(cfg, learner)
+        self.threads, self.all_threads = split_threads(), torch.get_num_threads()  # read in the trainer's thread
         self.ordered = cfg.trainer.deterministic
         self.update: Accumulation | None = None
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
@@ -87,8 +99,7 @@ class StepUpdate:
             self._worker.start()
 
     def _work(self) -> None:
-        saved = torch.get_num_threads()
-        torch.set_num_threads(OVERLAP_THREADS)  # this thread's OpenMP team
+        torch.set_num_threads(self.threads)  # this thread's OpenMP team (and the default of threads started later)
         try:
             while not self._handoff.is_set():
                 try:
@@ -103,7 +114,7 @@ class StepUpdate:
         except BaseException as e:  # surfaced by finish, never swallowed
             self._error = e
         finally:
-            torch.set_num_threads(saved)  # restores the process default that new threads start from
+            torch.set_num_threads(self.all_threads)  # the default that threads started later take
 
     # -- trainer side ----------------------------------------------------------------------------------------
     def _add(self, produced: Produced) -> None:
