@@ -91,6 +91,48 @@ def test_no_resample_attempts_drops_at_once_and_filter_off_keeps(metrics):
     assert [p.dropped for p in off] == [False, False] and off[0].first_degenerate
 
 
+def test_new_task_resamples_generate_the_replacement_tasks(metrics):
+    """resample: new_task — each attempt generates the task replacement(step, index, attempt) names."""
+    tasks = [Task("A", "train", "refund"), Task("B", "train", "refund")]
+    others = {("A", 1): Task("X", "train", "refund"), ("A", 2): Task("Y", "train", "refund")}
+    rollouter = ScriptedRollouter({"A": [[1, 1, 1, 1]], "B": [[0, 1, 0, 1]], "X": [[0, 0, 0, 0]], "Y": [[1, 0, 0, 1]]})
+    replacement = lambda step, index, attempt: others[(tasks[index].id, attempt)]  # noqa: E731
+    out = produce_all(GroupProducer(cfg(), rollouter, replacement=replacement), tasks, step=2)
+    assert [p.group.task_id for p in out] == ["Y", "B"] and not any(p.dropped for p in out)
+    assert sorted(c[0] for c in rollouter.calls) == ["A", "B", "X", "Y"]
+    assert out[0].resampled == 2 and out[0].first_rewards == pytest.approx([1 + 0.05 / 4] * 4)  # A's, with its bonus
+
+
+def test_task_sampler_replacements_are_fixed_by_seed_and_never_the_groups_own():
+    from tether.pipeline.build import TaskSampler
+
+    pool = [Task(f"T{i}", "train", "refund") for i in range(12)]
+    a, b = TaskSampler(pool, 4, seed=5), TaskSampler(pool, 4, seed=5)
+    picks = [a.replacement(3, i, k) for i in range(4) for k in (1, 2)]
+    assert picks == [b.replacement(3, i, k) for i in range(4) for k in (1, 2)]  # a resumed run draws the same
+    assert all(p.id != a.batch(3)[i].id for p, i in zip(picks, [i for i in range(4) for _ in (1, 2)]))
+    assert len({p.id for p in picks}) > 1
+    assert TaskSampler(pool, 4, seed=6).replacement(3, 0, 1) is not None
+
+
+def test_resample_key_flipped_wires_the_replacement(tiny_model, tmp_path):
+    """degenerate_group_filter.resample flipped: the run's producer draws its attempts' tasks from the task sampler
+    (new_task) or generates the group's own task again (same_task)."""
+    from conftest import SMALL_RUN
+    from tether.config import load_config
+    from tether.pipeline.build import Run
+
+    (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
+    for value in ("same_task", "new_task"):
+        cfg = load_config([tmp_path / "cfg.yaml"], [f"model.path={tiny_model}",
+                                                    f"policy_optimization.advantage.degenerate_group_filter.resample={value}"])
+        with Run.build(cfg, tmp_path / value, show_progress=False) as run:
+            producer = run.source.producer
+            assert producer.replacement == (run.sampler.replacement if value == "new_task" else None)
+            if value == "new_task":
+                assert producer._attempt_task(run.sampler.batch(1)[0], 1, 0, 1).id != run.sampler.batch(1)[0].id
+
+
 def test_no_signal_warning_only_when_nothing_ever_succeeds():
     none = [Produced(group("A", [0, 0]), 1, 0, first_degenerate=True, dropped=True)]
     assert "warm-start" in no_signal_warning(none, 5) and "step 5" in no_signal_warning(none, 5)

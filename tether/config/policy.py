@@ -45,7 +45,13 @@ class DegenerateGroupFilterConfig(Section):
     min_reward_std: NonNegFloat = 0.1
     """A group whose reward std is at most this is degenerate, in reward units."""
     resample_attempts: NonNegInt = 2
-    """Times a degenerate group's task is generated again (fresh seeds) before the group is dropped."""
+    """Times a degenerate group is generated again (fresh seeds) before the group is dropped."""
+    resample: Literal["same_task", "new_task"] = "same_task"
+    """What a resample attempt generates: same_task — the degenerate group's task again; new_task — another train
+    task, drawn for the attempt (from (seed, step, group, attempt), so a resumed run draws the same), as DAPO's
+    dynamic sampling fills its batch with fresh prompts. A task every rollout solved (or failed) under the current
+    policy mostly does so again, so a fresh one is likelier to carry signal (``rollout/resampled_groups`` against
+    ``rollout/dropped_groups`` says how often each turns out informative)."""
 
 
 class AdvantageConfig(Section):

@@ -48,6 +48,14 @@ class TaskSampler:
             raise ValueError("the environment has no train tasks")
         self.tasks, self.per_step, self.seed = tasks, per_step, seed
 
+    def replacement(self, step: int, index: int, attempt: int) -> Task:
+        """The train task that resample attempt ``attempt`` of group ``index`` of ``step`` generates instead of the
+        group's own (``degenerate_group_filter.resample: new_task``): a function of (seed, step, index, attempt),
+        never the group's own task."""
+        own = self.batch(step)[index]
+        pool = [t for t in self.tasks if t.id != own.id] or [own]
+        return random.Random(f"{self.seed}:resample:{step}:{index}:{attempt}").choice(pool)
+
     def batch(self, step: int) -> list[Task]:
         n = len(self.tasks)
         out = []
@@ -269,7 +277,9 @@ class Run:
             closers.append(recorder.close)
             prev = set_recorder(recorder)
             closers.append(lambda: set_recorder(prev))
-            source = make_source(cfg, GroupProducer(cfg, rollouter), sampler.batch, weights, start_step=start,
+            new_task = cfg.policy_optimization.advantage.degenerate_group_filter.resample == "new_task"
+            producer = GroupProducer(cfg, rollouter, replacement=sampler.replacement if new_task else None)
+            source = make_source(cfg, producer, sampler.batch, weights, start_step=start,
                                  sizes=allocator.sizes, max_concurrent=worker.max_concurrent_tasks,
                                  hacking_patterns=tuple(anti.detect_patterns if anti.enabled else ()),
                                  state=extra.get("source"), make_queue=parts.make_queue if parts is not None else None)

@@ -10,9 +10,10 @@ A group is produced in one place, the same way in every ``rollout.mode`` (``Grou
    in k distinct ways earns k·coef between them (``tether.algo.diversity``: the strategy is the sequence of
    tool calls with canonical arguments plus the facts of the final answer; clusters are exact matches).
 3. **Degenerate-group filter** (``advantage.degenerate_group_filter``): a group whose reward std is at most
-   ``min_reward_std`` carries no learning signal (its group-relative advantages are ~0). Its task is generated
-   again with fresh seeds, up to ``resample_attempts`` times, under the weights of the moment; a group still
-   degenerate after that is delivered marked ``dropped`` and the step trains on fewer trajectories.
+   ``min_reward_std`` carries no learning signal (its group-relative advantages are ~0). Its task (or, with
+   ``resample: new_task``, another train task drawn for the attempt) is generated again with fresh seeds, up to
+   ``resample_attempts`` times, under the weights of the moment; a group still degenerate after that is delivered
+   marked ``dropped`` and the step trains on fewer trajectories.
 
 Because this runs inside the producer, in the async modes a resampled group holds the admission slot of the
 group it replaces (so it is bounded by ``max_staleness`` like any other: it starts later, hence fresher) and
@@ -42,7 +43,7 @@ groups would get). ``optim/advantage_std`` is taken after the filter and after g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +98,11 @@ class Produced:
 class GroupProducer:
     """Rollouts of one task → diversity bonus → degenerate-group resampling (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, rollouter: Rollouter):
+    def __init__(self, cfg: RunConfig, rollouter: Rollouter,
+                 replacement: Callable[[int, int, int], Task] | None = None):
+        """``replacement(step, index, attempt)``: the task a resample attempt generates instead of the group's own
+        (``degenerate_group_filter.resample: new_task``); None: the group's own task again."""
+        self.replacement = replacement
         po = cfg.policy_optimization
         self.rollouter, self.seed = rollouter, cfg.trainer.seed
         bonus = po.exploration.diversity_bonus
@@ -136,7 +141,8 @@ class GroupProducer:
         out.any_success = any(t.success for t in group.trajectories)
         ahead = {}  # attempt -> its rollouts, started together (see ``concurrent_resamples``)
         if degenerate and self.filter and not judge_dropped and self.concurrent_resamples:
-            ahead = {k: asyncio.ensure_future(self._rollouts(task, size, self._resample_seed(step, index, k)))
+            ahead = {k: asyncio.ensure_future(self._rollouts(self._attempt_task(task, step, index, k), size,
+                                                             self._resample_seed(step, index, k)))
                      for k in range(1, self.attempts + 1)}
         try:
             while (degenerate and self.filter and not judge_dropped
@@ -144,7 +150,8 @@ class GroupProducer:
                 out.resampled += 1
                 k = out.resampled
                 seed = self._resample_seed(step, index, k)
-                attempt = ahead.pop(k) if k in ahead else self._rollouts(task, size, seed)
+                attempt = (ahead.pop(k) if k in ahead
+                           else self._rollouts(self._attempt_task(task, step, index, k), size, seed))
                 group, judge_dropped = await attempt
                 out.group, out.bonus = group, self._shape(group)
                 out.resampled_trajectories += size
@@ -158,6 +165,9 @@ class GroupProducer:
                 await asyncio.gather(*ahead.values(), return_exceptions=True)
         out.dropped = (degenerate and self.filter) or judge_dropped
         return out
+
+    def _attempt_task(self, task: Task, step: int, index: int, attempt: int) -> Task:
+        return task if self.replacement is None else self.replacement(step, index, attempt)
 
     def _resample_seed(self, step: int, index: int, attempt: int) -> int:
         return episode_seed(self.seed, f"resample:{step}:{index}", attempt)
