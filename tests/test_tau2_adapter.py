@@ -7,7 +7,7 @@ records, then ``evaluate_simulation``). The adapter's reward must be tau2's, exa
 By default: all of mock, and a sample of retail and airline (writing and non-writing tasks). ``TETHER_TAU2_FULL=1``
 plays every task of the three domains (173); ``TETHER_TAU2_VARIANTS=gold,noop`` plays only those variants. Every
 variant of every task is played and each mismatch recorded; the summary line gives per variant how many matched.
-Measured with all four variants (2026-12-01, 1 thread, load ~4.5): every one of 746 trajectories matched tau2 —
+Measured with all four variants (2026-12-01, 1 thread, load ~4.5): every one of 628 trajectories matched tau2 —
 retail 114 tasks (gold 114, omit_first_write 105, changed_arg 105, noop 114) in 803 s, airline 50 (50, 30, 30, 50)
 in 632 s, mock 9 (9, 6, 6, 9; 3 where tau2's evaluator raises, scored 0) in 19 s. tau2 itself passes 5 retail tasks
 with the first write omitted or changed: in 12, 13, 64 and 105 the gold's first write fails in tau2 (e.g. "Payment
