@@ -241,8 +241,8 @@ def test_a_plugin_env_without_an_expert_skips_its_probes_and_its_no_op_hole_fail
     for name in ("termination/success", "anti_hacking/repeated_tool_calls", "anti_hacking/context_stuffing"):
         assert f"{name} " in out and "environment 'hole' offers no expert (its ToolEnvironment's expert is None" in \
             out.split(f"{name} ")[1].split("\n")[0]
-    # schema-built arguments: bump takes none, so only respond_to_user's and bump's own calls are unjudged
-    assert "(2 calls whose arguments the tool alone judges: their success not judged)" in out
+    # no expert: each tool's one valid-looking call has schema-built arguments, judged for its form only
+    assert "9 tool probes, 39 observations (2 calls judged for form only)" in out
     assert "no-op pass                        fail    3/3 do-nothing episodes passed (train_0, train_1, train_2), " \
            "0 flagged no_op_pass" in out
     assert "FAIL no-op pass: doing nothing passes task train_0 unflagged" in out

@@ -71,6 +71,12 @@ def check_observations(p: Probes) -> Check:
         if valid is not None and isinstance(obs, Mapping) and obs.get("tool_error") is not (not valid):
             problems.append(f"{label}: tool_error is {obs.get('tool_error')} "
                             f"({str(obs.get('last_tool_result'))[:100]})")
+    for ep in p.expert:  # the expert's calls, in the episodes they were made in, succeed
+        for action, obs in zip(ep.actions, ep.observations[1:]):
+            if isinstance(obs, Mapping) and obs.get("tool_error"):
+                name = action.get("name") if isinstance(action, Mapping) else action
+                problems.append(f"the expert's call of {name} on {ep.task.id} failed: "
+                                f"{str(obs.get('last_tool_result'))[:100]}")
     for ep in p.episodes():
         for obs in ep.observations[1:]:
             n += 1
@@ -80,7 +86,7 @@ def check_observations(p: Probes) -> Check:
     unjudged = sum(valid is None for _, _, valid in p.tools)
     seen = f"{len(p.tools)} tool probes, {n} observations"
     if unjudged:
-        seen += f" ({unjudged} calls whose arguments the tool alone judges: their success not judged)"
+        seen += f" ({unjudged} calls judged for form only)"
     if not problems:
         form = "errors as {\"error\": ...}" if p.tether_tools else f"{p.env_kind}'s own result text"
         return Check("tool observations", "pass", f"{seen}: all structured, {form}")
@@ -89,6 +95,8 @@ def check_observations(p: Probes) -> Check:
         key = "environment.state.observation_fields (add last_tool_result)"
     elif "timed out" in first:
         key = "environment.action_space[*].timeout_ms against latency_ms"
+    elif "the expert's call" in first:
+        key = "the tool's implementation and the environment's expert (ToolEnvironment.expert)"
     elif "valid" in first:
         key = "environment.action_space (a tool's params and timeout_ms) and the tool's implementation"
     else:

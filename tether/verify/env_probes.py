@@ -152,11 +152,13 @@ def _task_for(props: Mapping[str, Any], tasks: list[Task]) -> Task:
     return tasks[0]
 
 
-def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task], known: Mapping[str, tuple[Task, Any]] | None = None,
-                ) -> list[tuple[str, Task, Any, bool | None]]:
+def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task],
+                known: Mapping[str, tuple[Task, Any, bool]] | None = None) -> list[tuple[str, Task, Any, bool | None]]:
     """(label, task, action, valid) for every tool: one valid call and the invalid variants its schema allows.
-    The valid call of a tool in ``known`` (tool -> (task, params): the expert's first call of it) is the expert's
-    and must succeed (``valid`` True); otherwise its arguments are built from the schema and the task's data,
+    The valid call of a tool in ``known`` (tool -> (task, params, opening): the expert's first call of it) has the
+    expert's arguments; it must succeed (``valid`` True) where it was the expert's opening move, so that a fresh
+    episode is the state it was made in (a later call may need what the calls before it did: its success is
+    judged in the expert's own episode). Otherwise the arguments are built from the schema and the task's data,
     well-typed but not known to make sense to the tool (``valid`` None: only its observation's form is judged)."""
     out: list[tuple[str, Task, Any, bool | None]] = []
     known = known or {}
@@ -164,8 +166,9 @@ def tool_probes(schemas: list[dict[str, Any]], tasks: list[Task], known: Mapping
         fn = schema["function"]
         name, props = fn["name"], fn["parameters"].get("properties", {})
         if name in known and isinstance(known[name][1], Mapping):
-            task, valid = known[name][0], dict(known[name][1])
-            out.append((f"{name} valid (the expert's call)", task, {"name": name, "params": valid}, True))
+            task, valid, opening = known[name][0], dict(known[name][1]), known[name][2]
+            out.append((f"{name} valid (the expert's call)", task, {"name": name, "params": valid},
+                        True if opening else None))
         else:
             task = _task_for(props, tasks)
             valid = {p: _valid_value(p, spec, task) for p, spec in props.items()}
@@ -339,14 +342,14 @@ def run_probes(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8,
         schemas = out.schemas = env.tool_schemas()
         expert, where = expert_of(env, cfg.environment.name)
         user_tool = user_tool_of(env)
-        known: dict[str, tuple[Task, Any]] = {}
+        known: dict[str, tuple[Task, Any, bool]] = {}
         if expert is not None:
             out.expert = [run_episode(env, t, "expert", expert(t), limit) for t in tasks[:num_tasks]]
             for ep in out.expert:
-                for action in ep.actions:
+                for i, action in enumerate(ep.actions):
                     name = action.get("name") if isinstance(action, Mapping) else None
-                    if isinstance(name, str) and name not in known:
-                        known[name] = (ep.task, action.get("params"))
+                    if isinstance(name, str) and (name not in known or (i == 0 and not known[name][2])):
+                        known[name] = (ep.task, action.get("params"), i == 0)
         else:
             out.no_expert = where
         env.reset(task_id=tasks[0].id)
