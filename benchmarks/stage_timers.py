@@ -6,7 +6,7 @@ current tree and at the start of issue 12, so the same script measures the basel
 nested stage, e.g. the reference model's forward inside the loss, goes to the inner one), per thread: the engine
 thread (prefill, decode, KV-cache moves) runs beside the event-loop thread (environment, templates), so their
 stage times overlap in wall-clock, while the trainer's stages (π_prox, forward, backward, optimizer, weight sync)
-are the trainer thread's and add up.
+are the learner's and add up (they run in the learner's worker beside the engine with learner.overlap_rollout).
 
 FLOPs come from the model config and the token counts each call sees (``Flops``): 2 × matmul parameters per
 token, plus 4 × hidden × context per token and layer for attention, backward = 2 × forward. *Useful* FLOPs only:

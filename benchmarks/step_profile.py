@@ -12,7 +12,9 @@ Per stage: wall seconds per step (median over the measured steps), its share of 
 and the roofline: fp32 matmul GFLOP/s measured in this run at the stage's own shapes (its mean rows per call ×
 the model's linear layers; backward: the two products of the gradient). The engine thread (prefill, decode, KV
 moves) works while the event-loop thread runs the environment and templates, so those rows overlap in wall time;
-the trainer's rows add up. "filter resampling" is the wall time of the rollout phase after the last first
+the learner's rows add up, and with ``learner.overlap_rollout`` (sync mode) they run beside the engine's: each
+group is trained as it finishes, so most of the learner's time is spent during the rollout phase.
+"filter resampling" is the wall time of the rollout phase after the last first
 attempt finished (the tail the degenerate-group filter's resampling adds), with the trajectories it generated.
 
 The last line is ``median step = X.XX s`` (the trainer's ``perf/step_time``: batch, update, weight sync); the line
@@ -158,7 +160,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     real = sum(s["extra"].get("learner real tokens", 0) for s in steps)
     counts = {k: _median([r.get(k, 0) for r in rows]) for k in
               ("rollout/generated_trajectories", "rollout/resampled_trajectories", "rollout/trained_trajectories",
-               "perf/trainer_idle_ratio", "perf/engine_busy_s")}
+               "perf/trainer_idle_ratio", "perf/engine_busy_s", "perf/learner_overlap_s",
+               "perf/learner_after_rollout_s")}
     return {"median_step_s": _median(step_time), "step_times": step_time, "stages": table,
             "median_step_cpu_s": _median([s["cpu"] for s in steps]),
             "rollout_phase_s": _median([r["perf/step_time"] * r["perf/trainer_idle_ratio"] for r in rows]),
@@ -170,7 +173,7 @@ def render(s: dict[str, Any], threads: int) -> str:
     lines = [f"{'stage':<22}{'thread':<9}{'wall s':>8}{'share':>7}{'GFLOP':>8}{'GFLOP/s':>9}{'roofline':>10}"
              f"{'rows':>8}"]
     for stage, e in s["stages"].items():
-        thread = "trainer" if stage in TRAINER_STAGES else ("engine" if stage in ("prefill", "decode", "kv moves")
+        thread = "learner" if stage in TRAINER_STAGES else ("engine" if stage in ("prefill", "decode", "kv moves")
                                                             else "loop")
         roof = f"{e['roofline']:>10.1f}" if "roofline" in e else f"{'':>10}"
         rows = f"{e['rows']:>8.0f}" if "rows" in e else f"{'':>8}"
@@ -180,8 +183,10 @@ def render(s: dict[str, Any], threads: int) -> str:
     c = s["counts"]
     trained = c["rollout/trained_trajectories"] or 1
     gen = c["rollout/generated_trajectories"] + c["rollout/resampled_trajectories"]
-    lines += [f"rollout phase (trainer waiting): {s['rollout_phase_s']:.2f} s; "
+    lines += [f"rollout phase (the step's batch generated): {s['rollout_phase_s']:.2f} s; "
               f"engine busy {c['perf/engine_busy_s']:.2f} s",
+              f"learner beside the rollout {c.get('perf/learner_overlap_s', 0):.2f} s, after it "
+              f"{c.get('perf/learner_after_rollout_s', 0):.2f} s (learner.overlap_rollout)",
               f"trajectories per step: {gen:.0f} generated ({c['rollout/resampled_trajectories']:.0f} resampled), "
               f"{c['rollout/trained_trajectories']:.0f} trained → {gen / trained:.2f} generated per trained",
               f"learner padding: {s['learner_padding']:.0%} of forwarded positions; torch threads {threads}",
