@@ -186,8 +186,9 @@ def attach(timers: Timers, model_config: Any) -> None:
     timers.wrap(runner, "prefill", "prefill", m_prefill)
     timers.wrap(runner, "decode", "decode", m_decode)
     timers.wrap(LocalEngine, "_emit", "decode")  # sampling belongs to decoding
-    for name in ("swap", "copy_prefix"):
-        timers.wrap(runner, name, "kv moves")
+    for name in ("swap", "copy_prefix", "move"):
+        if hasattr(runner, name):  # (an older tree has no move)
+            timers.wrap(runner, name, "kv moves")
     timers.wrap(LocalEngine, "_apply", "weight sync")
 
     for name in ("reset", "_absorb", "_observation", "_end", "finalize"):

@@ -281,6 +281,10 @@ class LlamaFamilyRunner:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self.cache.copy_prefix(src, dst, n)
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s cached tokens into slot ``dst`` (whose contents are dropped); ``src`` is left as it was."""
+        self.cache.copy_prefix(src, dst, int(self.cache.lengths[src]))
+
     def truncate(self, slot: int, n: int) -> None:
         """Keep only the first ``n`` cached tokens of ``slot``."""
         self.cache.reserve(slot + 1, n)
@@ -319,6 +323,10 @@ class HFRunner:
         assert n == 0, "HFRunner has no prefix reuse"
         self.caches.extend([None] * (slot + 1 - len(self.caches)))
         self.caches[slot] = None
+
+    def move(self, src: int, dst: int) -> None:
+        self.caches.extend([None] * (max(src, dst) + 1 - len(self.caches)))
+        self.caches[dst], self.caches[src] = self.caches[src], None
 
     def swap(self, a: list[int], b: list[int]) -> None:
         self.caches.extend([None] * (max(a + b, default=-1) + 1 - len(self.caches)))

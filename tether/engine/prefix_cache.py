@@ -97,9 +97,11 @@ class SlotTable:
     """Who owns which KV-cache slot: running requests in ``0..n-1``, parked caches and free slots after.
 
     ``lookup`` + ``place`` put a new request into slot ``n``, starting from the best cached prefix:
-    a parked cache that the prompt fully extends is taken over (swapped into place, no copy); any other
-    shared prefix (a running request's prompt, part of a parked cache) is copied. ``retire`` removes
-    finished requests, parks their caches and closes the holes by swapping in requests from the tail.
+    a parked cache that the prompt fully extends is taken over (moved into place unless it is there already);
+    any other shared prefix (a running request's prompt, part of a parked cache) is copied. ``retire`` removes
+    finished requests, parks their caches and closes the holes by moving in requests from the tail (a parked
+    cache in the way moves to a free slot). A move copies one slot's cached tokens once (into a free slot),
+    where an exchange of two slots copied both and one of them twice.
     Parked caches are evicted least-recently-used beyond ``max_parked``.
     """
 
@@ -127,10 +129,10 @@ class SlotTable:
         t = len(self.running)
         self._grow(t + 1)
         if isinstance(entry, _Parked) and n >= len(entry.tokens) - 1 and n > 0:  # take it over
-            s = self._slot[entry]
+            if self._slot[entry] != t:
+                self._vacate(t)  # (not into the entry's slot: it is still owned)
+                self._move(self._slot[entry], t)
             self._forget(entry)
-            if s != t:
-                self._swap(s, t)
             self.runner.truncate(t, n)
         else:
             self._vacate(t)
@@ -164,9 +166,9 @@ class SlotTable:
         n = len(running) - sum(done)
         holes = [i for i in range(n) if done[i]]
         movers = [i for i in range(n, len(running)) if not done[i]]
-        self.runner.swap(holes, movers)
-        for a, b in zip(holes, movers):
-            self._relabel(a, b)
+        for a, b in zip(holes, movers):  # a running request from the tail fills each hole; a parked cache there moves
+            self._vacate(a, beyond=len(running))
+            self._move(b, a)
         self.running = [self._owner[i] for i in range(n)]
         while len(self._parked) > self.max_parked:
             self._forget(next(iter(self._parked)))
@@ -198,9 +200,10 @@ class SlotTable:
         if slot is not None and self._owner[slot] is entry:
             self._owner[slot] = None
 
-    def _swap(self, a: int, b: int) -> None:
-        self.runner.swap([a], [b])
-        self._relabel(a, b)
+    def _move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s cache and owner into the free slot ``dst`` (one copy of its tokens; ``src`` becomes free)."""
+        self.runner.move(src, dst)
+        self._relabel(src, dst)
 
     def _relabel(self, a: int, b: int) -> None:
         """Slots a and b exchanged their contents: follow with the bookkeeping."""
@@ -209,10 +212,11 @@ class SlotTable:
             if self._owner[s] is not None:
                 self._slot[self._owner[s]] = s
 
-    def _vacate(self, t: int) -> None:
-        """Move a parked cache out of slot ``t`` into a free slot."""
+    def _vacate(self, t: int, beyond: int = 0) -> None:
+        """Move a parked cache out of slot ``t`` into a free slot after ``t`` and at least ``beyond``."""
         if self._owner[t] is None:
             return
-        free = next((s for s in range(t + 1, len(self._owner)) if self._owner[s] is None), len(self._owner))
+        start = max(t + 1, beyond)
+        free = next((s for s in range(start, len(self._owner)) if self._owner[s] is None), max(start, len(self._owner)))
         self._grow(free + 1)
-        self._swap(t, free)
+        self._move(t, free)
