@@ -218,11 +218,21 @@ class Rollouter:
             await self.rewards.score(result)
         return result
 
-    async def group(self, task: Task, group_size: int, seed: int) -> Group:
+    reports_episodes = True  # ``group`` takes ``on_episode`` (the Ray rollouter's stand-in does not)
+
+    async def group(self, task: Task, group_size: int, seed: int,
+                    on_episode: Callable[[list[float]], None] | None = None) -> Group:
         """``group_size`` rollouts of one task, concurrently (the async rollouter's unit of work); the
-        episodes that failed are left out, and RolloutError is raised only when all of them failed."""
+        episodes that failed are left out, and RolloutError is raised only when all of them failed.
+        ``on_episode``: told the rewards of the episodes finished so far, after each one."""
+        finished: list[float] = []
+
         async def one(i: int) -> Trajectory | RolloutError:
-            return await self._rewarded(await self._attempt(task, episode_seed(seed, task.id, i)))
+            result = await self._rewarded(await self._attempt(task, episode_seed(seed, task.id, i)))
+            if on_episode is not None and isinstance(result, Trajectory):
+                finished.append(result.reward)
+                on_episode(finished)
+            return result
 
         results = await asyncio.gather(*(one(i) for i in range(group_size)))
         return Group(task.id, _survivors(task, results))

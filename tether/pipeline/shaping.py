@@ -126,25 +126,42 @@ class GroupProducer:
     def _shape(self, group: Group) -> dict[str, float]:
         return add_diversity_bonus([group], self.bonus_coef) if self.bonus_coef > 0 else {}
 
-    async def _rollouts(self, task: Task, size: int, seed: int) -> tuple[Group, bool]:
+    async def _rollouts(self, task: Task, size: int, seed: int,
+                        on_episode: Callable[[list[float]], None] | None = None) -> tuple[Group, bool]:
         """The group, its rewards settled by the reward loop when a judge scores rubrics (``tether.reward``): True
         when a judge failure drops it (``reward.on_judge_failure: drop_group``)."""
-        group = await self.rollouter.group(task, size, seed)
+        if on_episode is None:
+            group = await self.rollouter.group(task, size, seed)
+        else:
+            group = await self.rollouter.group(task, size, seed, on_episode=on_episode)
         rewards = getattr(self.rollouter, "rewards", None)  # a rollouter without a reward loop: rewards are final
         return group, rewards is not None and rewards.settle(group.trajectories)
 
     async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
-        group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step))
-        out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
-        out.first_degenerate = degenerate = self._degenerate(group)
-        out.first_rewards = list(group.rewards)
-        out.any_success = any(t.success for t in group.trajectories)
-        ahead = {}  # attempt -> its rollouts, started together (see ``concurrent_resamples``)
-        if degenerate and self.filter and not judge_dropped and self.concurrent_resamples:
-            ahead = {k: asyncio.ensure_future(self._rollouts(self._attempt_task(task, step, index, k), size,
-                                                             self._resample_seed(step, index, k)))
-                     for k in range(1, self.attempts + 1)}
+        ahead: dict[int, asyncio.Future] = {}  # attempt -> its rollouts, started together (``concurrent_resamples``)
+
+        def start_ahead() -> None:
+            ahead.update({k: asyncio.ensure_future(self._rollouts(self._attempt_task(task, step, index, k), size,
+                                                                  self._resample_seed(step, index, k)))
+                          for k in range(1, self.attempts + 1)})
+
+        def watch(rewards: list[float]) -> None:
+            """The first attempt's rewards so far: when all but its last quarter have finished with rewards that do
+            not differ, the group is likely degenerate, so its resample attempts start now rather than after the
+            stragglers (they are the same episodes either way; an informative group cancels them)."""
+            if not ahead and len(rewards) >= size - max(1, size // 4) and group_reward_std(rewards) <= self.min_std:
+                start_ahead()
+
+        early = self.filter and self.concurrent_resamples and getattr(self.rollouter, "reports_episodes", False)
         try:
+            group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step),
+                                                        watch if early else None)
+            out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
+            out.first_degenerate = degenerate = self._degenerate(group)
+            out.first_rewards = list(group.rewards)
+            out.any_success = any(t.success for t in group.trajectories)
+            if degenerate and self.filter and not judge_dropped and self.concurrent_resamples and not ahead:
+                start_ahead()
             while (degenerate and self.filter and not judge_dropped
                    and resample_or_drop(out.resampled, self.attempts) == "resample"):
                 out.resampled += 1
@@ -157,12 +174,12 @@ class GroupProducer:
                 out.resampled_trajectories += size
                 out.any_success |= any(t.success for t in group.trajectories)
                 degenerate = self._degenerate(group)
-        finally:  # attempts started ahead and not needed: an earlier one was informative
+        finally:  # attempts started ahead and not needed: an earlier one was informative (or the first failed)
             for unused in ahead.values():
                 unused.cancel()
-            out.speculative_trajectories = size * len(ahead)
             if ahead:
                 await asyncio.gather(*ahead.values(), return_exceptions=True)
+        out.speculative_trajectories = size * len(ahead)
         out.dropped = (degenerate and self.filter) or judge_dropped
         return out
 
