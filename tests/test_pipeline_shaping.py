@@ -103,6 +103,45 @@ def test_new_task_resamples_generate_the_replacement_tasks(metrics):
     assert out[0].resampled == 2 and out[0].first_rewards == pytest.approx([1 + 0.05 / 4] * 4)  # A's, with its bonus
 
 
+class StragglerRollouter:
+    """Episodes finish one by one (the first attempt's last one late); reports them as the Rollouter does."""
+
+    reports_episodes = True
+
+    def __init__(self, script):
+        self.script, self.log = {k: list(v) for k, v in script.items()}, []
+
+    async def group(self, task, n, seed, on_episode=None):
+        rewards = self.script[task.id].pop(0)
+        self.log.append(("start", seed))
+        done = []
+        for i, r in enumerate(rewards):
+            await asyncio.sleep(0.05 if i == len(rewards) - 1 else 0.001)  # a straggler at the end
+            done.append(r)
+            if on_episode is not None:
+                on_episode(list(done))
+        self.log.append(("end", seed))
+        return group(task.id, rewards)
+
+
+def test_resample_attempts_start_before_a_likely_degenerate_first_attempt_ends(metrics):
+    """sync mode: three of four first episodes agree → the attempts start before the straggler; B's first attempt
+    turns out informative (its straggler differs), so its early attempts are cancelled and counted speculative."""
+    sync = RunConfig.model_validate({"rollout": {"mode": "sync"}, "policy_optimization": {"advantage": {
+        "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
+    rollouter = StragglerRollouter({"A": [[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]],
+                                    "B": [[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]})
+    producer = GroupProducer(sync, rollouter)
+    assert producer.concurrent_resamples
+    out = produce_all(producer, [Task("A", "train", "refund"), Task("B", "train", "refund")], step=1)
+    first_a = rollouter.log[0][1]
+    starts = [i for i, (kind, seed) in enumerate(rollouter.log) if kind == "start" and seed != first_a]
+    first_end = rollouter.log.index(("end", first_a))
+    assert any(i < first_end for i in starts)  # an attempt started while A's first attempt was still running
+    assert not out[0].dropped and out[0].resampled == 1 and out[0].speculative_trajectories == 4  # attempt 2 unused
+    assert not out[1].dropped and out[1].resampled == 0 and out[1].speculative_trajectories == 8  # both unused
+
+
 def test_task_sampler_replacements_are_fixed_by_seed_and_never_the_groups_own():
     from tether.pipeline.build import TaskSampler
 
