@@ -10,7 +10,8 @@ pipeline's own functions, so the same script measures an older tree: ``PYTHONPAT
 Per stage: wall seconds per step (median over the measured steps), its share of the median step, GFLOP per step
 (from the model config and the tokens each call saw; useful FLOPs, padding not counted), the achieved GFLOP/s,
 and the roofline: fp32 matmul GFLOP/s measured in this run at the stage's own shapes (its mean rows per call ×
-the model's linear layers; backward: the two products of the gradient). The engine thread (prefill, decode, KV
+the model's linear layers; backward: the two products of the gradient) and torch threads (half of them for the
+engine and the learner when they ran side by side). The engine thread (prefill, decode, KV
 moves) works while the event-loop thread runs the environment and templates, so those rows overlap in wall time;
 the learner's rows add up, and with ``learner.overlap_rollout`` (sync mode) they run beside the engine's: each
 group is trained as it finishes, so most of the learner's time is spent during the rollout phase.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import statistics
@@ -134,6 +136,25 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Any:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def threads_of(stage: str, rows: list[dict[str, Any]]) -> int:
+    """The torch threads a stage ran with: the learner's worker beside the rollout has half
+    (``tether.pipeline.streaming``), the engine's thread too while it does; everything else all of them."""
+    overlapped = any(r.get("perf/learner_overlap_s", 0) > 0 for r in rows)
+    if overlapped and (stage in TRAINER_STAGES or stage in ("prefill", "decode")):
+        return max(1, torch.get_num_threads() // 2)
+    return torch.get_num_threads()
+
+
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
     steps, rows, fl = result["steps"], result["rows"], Flops.of(result["config"])
     step_time = [r["perf/step_time"] for r in rows]
@@ -151,7 +172,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         rows_r = rows_m or [s["rows"][roof_stage] for s in steps if roof_stage in s["rows"]]
         if rows_r and entry["gflop"]:
             shapes = lin + (head if stage != "prefill" else [])
-            entry["roofline"] = matmul_gflops(int(_median(rows_r)), shapes, backward=stage == "backward")
+            with torch_threads(threads_of(stage, rows)):  # the roofline at the threads the stage ran with
+                entry["roofline"] = matmul_gflops(int(_median(rows_r)), shapes, backward=stage == "backward")
             entry["rows"] = _median(rows_r)
         table[stage] = entry
     tail = _median([s["resample_tail"] for s in steps])
