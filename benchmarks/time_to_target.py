@@ -53,9 +53,11 @@ class Clock:
 
 
 def instrument(clock: Clock) -> None:
+    """Time ``Run.eval`` into ``clock`` (the original eval wrapped once per seed, never a wrapper of a wrapper:
+    nested wrappers would keep extending the earlier seeds' records)."""
     from tether.pipeline import build
 
-    evaluate = build.Run.eval
+    evaluate = getattr(build.Run.eval, "__wrapped__", build.Run.eval)
 
     @functools.wraps(evaluate)
     def timed_eval(self: Any, step: int) -> dict[str, float]:
