@@ -21,7 +21,7 @@ from transformers import (
 from tether.engine import GenerationResult, InferenceEngine, SamplingParams
 from tether.engine.forward import LlamaFamilyRunner
 from tether.engine.local import LocalEngine, shared_prompt
-from tether.engine.prefix_cache import PrefixIndex
+from tether.engine.prefix_cache import PrefixIndex, SlotTable
 from tether.engine.sampling import sample
 from tether.learner import build_tiny, load_model_and_tokenizer
 
@@ -402,6 +402,32 @@ def test_hf_fallback_matches_generate(tiny):
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 12) for p in prompts]
     ref = teacher_forced_logprobs(model, prompts[0], sampled.token_ids)
     assert (ref - torch.tensor(sampled.logprobs)).abs().max() < 1e-4
+
+
+def test_a_step_that_fails_while_admitting_fails_those_requests_not_the_engine(tiny, monkeypatch):
+    """A request taken from the queue whose placement raises gets the error (it never hangs), and the engine goes on."""
+    model, tok = tiny
+    prompt = tok.encode(TEXTS[1])
+    engine = LocalEngine(model)
+    place = SlotTable.place
+    calls = []
+
+    def place_once_broken(self, req, entry, n):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("placement broke")
+        return place(self, req, entry, n)
+
+    monkeypatch.setattr(SlotTable, "place", place_once_broken)
+
+    async def two():
+        with pytest.raises(RuntimeError, match="placement broke"):
+            await asyncio.wait_for(engine.generate(prompt, GREEDY), timeout=30)
+        return await asyncio.wait_for(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4)), 30)
+    try:
+        assert len(asyncio.run(two()).token_ids) == 4
+    finally:
+        engine.close()
 
 
 def test_cancel_close_and_errors(tiny):

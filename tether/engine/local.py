@@ -186,6 +186,7 @@ class LocalEngine:
         self._closed = False
         self._queue: deque[_Request] = deque()  # worker-side queue, admitted in order
         self._threads_changed = False  # set_num_threads: the worker applies it before its next step
+        self._admitting: list[_Request] = []  # the requests the current step took from the queue
         self._thread = threading.Thread(target=self._loop, name="tether-local-engine", daemon=True)
         self._thread.start()
 
@@ -289,8 +290,9 @@ class LocalEngine:
                     self.stats["busy_s"] += time.perf_counter() - t0  # type: ignore[assignment]
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     log.exception("LocalEngine step failed")
-                    for req in self._slots.running:
-                        _send(req, exc)
+                    running = self._slots.running
+                    for req in [*running, *(r for r in self._admitting if r not in running)]:
+                        _send(req, exc)  # (a request taken from the queue but not yet placed is failed too)
                     self._slots.clear()
         with self._cv:
             leftover = [*self._slots.running, *self._queue, *self._waiting]
@@ -330,7 +332,8 @@ class LocalEngine:
             slots.drop_prefixes(running_too=not self.recompute_on_update)
             if slots.running and self.recompute_on_update:
                 self._refill()
-        new: list[_Request] = []
+        new: list[_Request] = []  # taken from the queue this step (failed with it if it fails)
+        self._admitting = new
         starts: list[int] = []
         widest = 0
         draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
@@ -344,8 +347,8 @@ class LocalEngine:
             if new and (len(new) + 1) * widest_next > self.max_prefill_tokens:
                 break
             self._queue.popleft()
-            starts.append(slots.place(req, entry, cached))
             new.append(req)
+            starts.append(slots.place(req, entry, cached))
             widest = widest_next
         if new:
             first = len(slots.running) - len(new)
