@@ -396,13 +396,17 @@ class LocalEngine:
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in reqs], device=device)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
-        uniform = torch.zeros(len(reqs))  # drawn on the CPU, where the per-request generators live
+        # drawn on the CPU, where the per-request generators live; one tensor op per request (each draw as a
+        # 1-element tensor, concatenated once: the same numbers as item-by-item assignment, at half the calls)
         shared = [i for i, r in enumerate(reqs) if r.params.temperature > 0 and r.generator is None]
-        if shared:
-            uniform[shared] = torch.rand(len(shared), generator=self._generator)
-        for i, r in enumerate(reqs):
-            if r.params.temperature > 0 and r.generator is not None:
-                uniform[i] = torch.rand((), generator=r.generator)
+        common = torch.rand(len(shared), generator=self._generator) if shared else None
+        where = {i: k for k, i in enumerate(shared)}
+        zero = torch.zeros(1)
+        uniform = torch.cat([
+            zero if r.params.temperature <= 0
+            else torch.rand(1, generator=r.generator) if r.generator is not None
+            else common[where[i]:where[i] + 1]  # type: ignore[index]
+            for i, r in enumerate(reqs)]) if reqs else torch.zeros(0)
         tokens, logprobs = sample(logits, temperature, top_p, uniform.to(device))
         self.stats["generated_tokens"] += len(reqs)
         for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
