@@ -39,6 +39,17 @@ def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
 
 
 @pytest.fixture
+def metrics():
+    """A MetricsRecorder of its own for the test (what record_metric records goes there)."""
+    from tether.metrics import MetricsRecorder, set_recorder
+
+    rec = MetricsRecorder([])
+    prev = set_recorder(rec)
+    yield rec
+    set_recorder(prev)
+
+
+@pytest.fixture
 def small_run(tiny_model, tmp_path):
     """``small_run(name, *overrides, files=())`` trains SMALL_RUN (+ files, + overrides) on the tiny model and
     returns ``(metrics rows, samples rows, run_dir)``."""

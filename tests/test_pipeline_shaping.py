@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from tether.config import RunConfig
-from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.shaping import (
     GroupProducer,
     Produced,
@@ -17,14 +16,6 @@ from tether.pipeline.shaping import (
     record_production_metrics,
 )
 from tether.types import Group, Task, Trajectory
-
-
-@pytest.fixture
-def metrics():
-    rec = MetricsRecorder([])
-    prev = set_recorder(rec)
-    yield rec
-    set_recorder(prev)
 
 
 def traj(reward, success=None, calls=(), answer="done"):

@@ -19,18 +19,9 @@ from tether.config import RunConfig
 from tether.learner import learner as learner_module
 from tether.learner import logits as logits_module
 from tether.learner.learner import Learner, token_logits
-from tether.metrics import MetricsRecorder, set_recorder
 from tether.types import Group, Task, Trajectory
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def metrics():
-    rec = MetricsRecorder([])
-    prev = set_recorder(rec)
-    yield rec
-    set_recorder(prev)
 
 
 @pytest.fixture(scope="module")
