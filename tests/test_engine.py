@@ -20,8 +20,8 @@ from transformers import (
 
 from tether.engine import GenerationResult, InferenceEngine, SamplingParams
 from tether.engine.forward import LlamaFamilyRunner
-from tether.engine.local import LocalEngine, shared_prompt
-from tether.engine.prefix_cache import PrefixIndex, SlotTable
+from tether.engine.local import LocalEngine
+from tether.engine.prefix_cache import PrefixIndex, SlotTable, shared_prompt
 from tether.engine.sampling import sample
 from tether.learner import build_tiny, load_model_and_tokenizer
 

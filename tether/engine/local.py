@@ -58,7 +58,7 @@ import torch
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
-from tether.engine.prefix_cache import SlotTable
+from tether.engine.prefix_cache import SlotTable, shared_prompt
 from tether.engine.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -86,29 +86,6 @@ class _Update:
     version: int
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
-
-
-MIN_SHARED_PROMPT = 32  # tokens; below this the decode step attends over every slot's own keys
-
-
-def shared_prompt(running: list[_Request]) -> int:
-    """How many leading prompt tokens every running request has in common (the system prompt and tool list of
-    an environment's episodes; a group's whole first prompt), 0 below ``MIN_SHARED_PROMPT`` or for one request.
-    The decode step reads their keys and values once for all (``LlamaFamilyRunner.decode``'s ``shared``)."""
-    if len(running) < 2:
-        return 0
-    ref = running[0].prompt
-    p = min(len(r.prompt) for r in running)
-    for r in running[1:]:
-        if r.prompt[:p] != ref[:p]:  # C-speed slice comparisons; bisect the first difference
-            lo, hi = 0, p - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if r.prompt[:mid] == ref[:mid] else (lo, mid - 1)
-            p = lo
-        if p < MIN_SHARED_PROMPT:
-            return 0
-    return p
 
 
 def _resolve(future: asyncio.Future, result: Any) -> None:
@@ -398,15 +375,12 @@ class LocalEngine:
         top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
         # drawn on the CPU, where the per-request generators live; one tensor op per request (each draw as a
         # 1-element tensor, concatenated once: the same numbers as item-by-item assignment, at half the calls)
-        shared = [i for i, r in enumerate(reqs) if r.params.temperature > 0 and r.generator is None]
-        common = torch.rand(len(shared), generator=self._generator) if shared else None
-        where = {i: k for k, i in enumerate(shared)}
+        shared = sum(r.params.temperature > 0 and r.generator is None for r in reqs)  # from the engine's generator
+        common = iter(torch.rand(shared, generator=self._generator).split(1))  # in the requests' order
         zero = torch.zeros(1)
-        uniform = torch.cat([
-            zero if r.params.temperature <= 0
-            else torch.rand(1, generator=r.generator) if r.generator is not None
-            else common[where[i]:where[i] + 1]  # type: ignore[index]
-            for i, r in enumerate(reqs)]) if reqs else torch.zeros(0)
+        uniform = torch.cat([zero if r.params.temperature <= 0
+                             else torch.rand(1, generator=r.generator) if r.generator is not None else next(common)
+                             for r in reqs])
         tokens, logprobs = sample(logits, temperature, top_p, uniform.to(device))
         self.stats["generated_tokens"] += len(reqs)
         for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):

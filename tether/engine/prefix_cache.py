@@ -220,3 +220,27 @@ class SlotTable:
         free = next((s for s in range(start, len(self._owner)) if self._owner[s] is None), max(start, len(self._owner)))
         self._grow(free + 1)
         self._move(t, free)
+
+
+MIN_SHARED_PROMPT = 32  # tokens; below this the decode step attends over every slot's own keys
+
+
+def shared_prompt(running: list[Any]) -> int:
+    """How many leading prompt tokens every running request has in common (the system prompt and tool list of
+    an environment's episodes; a group's whole first prompt), 0 below ``MIN_SHARED_PROMPT`` or for one request.
+    The decode step reads their keys and values once for all (``LlamaFamilyRunner.decode``'s ``shared``);
+    ``running``: objects with a ``prompt`` token list."""
+    if len(running) < 2:
+        return 0
+    ref = running[0].prompt
+    p = min(len(r.prompt) for r in running)
+    for r in running[1:]:
+        if r.prompt[:p] != ref[:p]:  # C-speed slice comparisons; bisect the first difference
+            lo, hi = 0, p - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if r.prompt[:mid] == ref[:mid] else (lo, mid - 1)
+            p = lo
+        if p < MIN_SHARED_PROMPT:
+            return 0
+    return p

@@ -69,7 +69,7 @@ class Accumulation:
             mb = mb.to(self.device)
             self.denom += loss_denominator(mb.loss_mask[:, 1:], learner.loss_agg_mode)  # the whole micro-batch's
             mine, weight = learner.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
-            loss, metrics = learner._micro_loss(mine, 1.0, learner.norm_len, self.prox_from_forward)
+            loss, metrics = learner._micro_loss(mine, self.prox_from_forward)
             (loss if weight == 1.0 else loss * weight).backward()
             self.loss += loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight

@@ -197,8 +197,7 @@ class Learner:
         minis = batch.split(-(-batch.num_trajectories // self.mini_batch_size))  # rows = segments; split by trajectory
         # π_prox of the first mini-batch is its own first forward (the weights have not moved yet); only the
         # others, when there are any, need a scoring pass before the first update.
-        fresh_first = (self.objective.needs_prox and self.prox_from_forward and self.epochs == 1
-                       and self.worker.name == "ActorWorker")  # DetachActorWorker scores under the sync's weights
+        fresh_first = self.objective.needs_prox and self._prox_is_own_forward
         if self.objective.needs_prox:
             with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
                 batch.prox_logp = self._score(batch, device, skip=len(minis[0]) if fresh_first else 0)
@@ -223,8 +222,14 @@ class Learner:
         """Whether a step can be trained as its groups arrive (``begin_step``): it makes one optimizer update on
         fresh weights (one pass, a mini-batch holding the whole batch), so every group's π_prox is its own forward,
         in one process."""
-        fresh = not self.objective.needs_prox or (self.prox_from_forward and self.worker.name == "ActorWorker")
-        return self.epochs == 1 and self.mini_batch_size >= self.batch_size and fresh and not self.ranks.sharded
+        fresh = not self.objective.needs_prox or self._prox_is_own_forward
+        return self.mini_batch_size >= self.batch_size and fresh and self.epochs == 1 and not self.ranks.sharded
+
+    @property
+    def _prox_is_own_forward(self) -> bool:
+        """Whether an update's first forward is π_prox: one pass (``update_frequency`` 1), no dropout, and the
+        current weights are the step's start (not DetachActorWorker, which scores under the last sync's)."""
+        return self.prox_from_forward and self.epochs == 1 and self.worker.name == "ActorWorker"
 
     def begin_step(self) -> Accumulation:
         """A step's single update, to be fed with ``add_trajectories`` (group by group, as the groups arrive) and
@@ -289,9 +294,10 @@ class Learner:
         update.add(mini)
         return update.apply(acc)
 
-    def _micro_loss(self, mb: TrainBatch, denom: float | torch.Tensor, norm_len: int,
+    def _micro_loss(self, mb: TrainBatch,
                     prox_from_forward: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's share of the mini-batch loss, and its per-token metrics."""
+        """The micro-batch's loss *undivided* (denominator 1: ``Accumulation`` divides the summed gradient by the
+        whole mini-batch's), and its per-token metrics."""
         ids = mb.input_ids[:, 1:]  # [b, T-1] targets: logits at t-1 predict token t
         mask = mb.loss_mask[:, 1:]  # [b, T-1]
         sel = mask > 0  # [b, T-1] the positions the loss reads; logits are computed there only
@@ -302,8 +308,8 @@ class Learner:
             prox_logp = logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
         else:
             prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else behav_logp  # [b, T-1]
-        agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=denom,
-                                   norm_len=norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
+        agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=1.0,
+                                   norm_len=self.norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
 
         scored = prox_from_forward or mb.prox_logp is not None  # π_prox ≠ π_behav: the correction applies
         weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if scored else (None, {})

@@ -40,10 +40,19 @@ from tether.pipeline.shaping import Produced
 from tether.types import Trajectory
 
 
+def streams(cfg: RunConfig, learner: Learner) -> bool:
+    """Whether a step is fed group by group: one update on fresh weights (``Learner.streams``) and each group's
+    advantages its own (not normalised over the batch)."""
+    return learner.streams and cfg.policy_optimization.advantage.normalization != "batch"
+
+
 def overlaps(cfg: RunConfig, learner: Learner) -> bool:
     """Whether the learner trains beside the rollout in this run (``learner.overlap_rollout`` where it can act)."""
-    return (cfg.learner.overlap_rollout and cfg.rollout.mode == "sync" and learner.streams
-            and cfg.policy_optimization.advantage.normalization != "batch")
+    return cfg.learner.overlap_rollout and cfg.rollout.mode == "sync" and streams(cfg, learner)
+
+
+def _trainable(produced: Produced) -> bool:
+    return not produced.dropped and bool(produced.group.trajectories)
 
 
 def split_threads() -> int:
@@ -62,15 +71,14 @@ class StepUpdate:
         self.learner = learner
         adv = cfg.policy_optimization.advantage
         self.normalization, self.min_std = adv.normalization, adv.degenerate_group_filter.min_reward_std
-        self.streams = learner.streams and self.normalization != "batch"  # a group's advantages are its own
-        self.overlap = overlaps(cfg, learner)
+        self.streams, self.overlap = streams(cfg, learner), overlaps(cfg, learner)
         self.threads, self.all_threads = split_threads(), torch.get_num_threads()  # read in the trainer's thread
         self.ordered = cfg.trainer.deterministic
         self.update: Accumulation | None = None
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
-        self._held: dict[int, Produced | None] = {}  # ordered mode: finished groups waiting for earlier ones
+        self._held: dict[int, Produced] = {}  # ordered mode: finished groups waiting for earlier ones
         self._next = 0  # ordered mode: the next index to release
-        self._todo: queue.SimpleQueue[Produced | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[Produced] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
@@ -90,8 +98,8 @@ class StepUpdate:
             self._submit(self._held.pop(self._next))
             self._next += 1
 
-    def _submit(self, produced: Produced | None) -> None:
-        if produced is None or produced.dropped or not produced.group.trajectories:
+    def _submit(self, produced: Produced) -> None:
+        if not _trainable(produced):
             return
         self._todo.put(produced)
         if self._worker is None:
@@ -106,8 +114,6 @@ class StepUpdate:
                     produced = self._todo.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if produced is None:
-                    break
                 t0 = time.perf_counter()
                 self._add(produced)
                 self.overlap_s += time.perf_counter() - t0
@@ -145,7 +151,7 @@ class StepUpdate:
                 self.learner.train_step(trajectories, advantages)  # records the optim/* metrics itself
             return bool(trajectories)
         t0 = time.perf_counter()
-        kept = [p for p in produced if not p.dropped and p.group.trajectories]
+        kept = [p for p in produced if _trainable(p)]
         done = set(self.trained)
         for p in kept:
             if id(p) not in done:
