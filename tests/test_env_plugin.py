@@ -13,7 +13,7 @@ from typing import Literal
 
 import pytest
 
-from tether.config import ConfigError, EnvironmentConfig, ToolSpec, load_config
+from tether.config import ConfigError, EnvironmentConfig, RunConfig, ToolSpec, load_config
 from tether.config.environment import CS_OBSERVATION_FIELDS, CS_RULE_CHECKS
 from tether.env.anti_hacking import HackingDetector, hacking_counts, reset_hacking_counts
 from tether.env.customer_service import CustomerServiceEnv, grading
@@ -344,3 +344,26 @@ def test_detector_finish_is_a_plain_building_block():
     assert d.finish(wrote=False, passed=True) == ["no_op_pass"]
     assert d.finish(wrote=True, passed=True) == [] and d.finish(wrote=False, passed=False) == []
     assert HackingDetector(enabled=False, patterns=["no_op_pass"]).finish(wrote=False, passed=True) == []
+
+
+def test_spawned_environments_share_the_config_work_and_run_their_own_episodes():
+    """``spawn``: what is built per config is shared (the bound tools and their schemas, the verifier, the task
+    lists); the episodes are not — two interleaved episodes of spawned environments score as if run alone."""
+    first = kv_env(["no_op_pass"])
+    a, b = first.spawn(), first.spawn()
+    assert a._bound is first._bound and a.verifier is first.verifier and a._tasks is first._tasks
+    a.reset(task_id="train_000")
+    b.reset(task_id="train_000")
+    a.step({"name": "_write", "params": {"key": "a", "value": "1"}})
+    _, reward_b, done_b, _ = b.step(DONE)  # b's store is still empty
+    _, reward_a, done_a, _ = a.step(DONE)
+    assert (reward_a, reward_b, done_a, done_b) == (1.0, 0.0, True, True)
+    assert first._ep is None  # the original never began an episode
+
+
+def test_env_factory_spawns_episodes_from_one_built_environment():
+    cfg = RunConfig()  # the customer-service environment, a ToolEnv
+    make_env, tasks = env_factory(cfg)
+    a, b = make_env(), make_env()
+    assert a is not b and a._bound is b._bound and a.definition is b.definition
+    assert [t.id for t in tasks("eval")][:2] == ["test_000", "test_001"]

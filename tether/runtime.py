@@ -94,9 +94,13 @@ def model_path(cfg: RunConfig) -> str:
 def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list[Task]]]:
     """``environment.name``'s environment (``tether.env.plugin.registry.resolve``: a registered name, an import path,
     an entry point or ``tau2:<domain>``) as ``(make_env(), list_tasks(split))`` for this run. One environment is
-    built here and closed, so that a config its tools or verifier cannot take fails now, not at the first episode."""
+    built here, so that a config its tools or verifier cannot take fails now, not at the first episode; when it can
+    ``spawn()`` (a ``ToolEnv``), the episodes' environments are spawned from it and share what it built per config."""
     make, list_tasks = resolve_environment(cfg.environment.name)  # EnvironmentNotFound (ValueError) says what it tried
-    make(cfg).close()
+    first = make(cfg)
+    if callable(getattr(first, "spawn", None)):
+        return first.spawn, (lambda split: list_tasks(split, cfg))
+    first.close()
     return (lambda: make(cfg)), (lambda split: list_tasks(split, cfg))
 
 

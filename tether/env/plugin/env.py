@@ -30,6 +30,7 @@ the verifier's reward with its breakdown and the hacking flags in ``info``.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -181,6 +182,15 @@ class ToolEnv:
         self._by_id = {t.id: t for split in SPLITS for t in self._tasks[split]}
         self._next_train = 0
         self._ep: _Episode | None = None
+
+    def spawn(self) -> ToolEnv:
+        """Another environment of this definition and config, with no episode begun. It shares what is built per
+        config (bound tools and their schemas, the termination rule, the verifier, the task lists), so that one made
+        per episode costs only the episode (``tether.runtime.env_factory`` makes the rollouts' environments so).
+        A subclass with attributes of its own that an episode changes must copy them here."""
+        env = copy.copy(self)
+        env._ep, env._next_train = None, 0
+        return env
 
     # -- tasks and episode set-up -----------------------------------------------------------------------
     def tasks(self, split: str) -> list[Task]:
