@@ -90,15 +90,16 @@ def test_fast_forward_matches_hf(kind):
     with torch.inference_mode():
         # fresh prefill of prefixes into scattered slots, then extend to the full sequences
         runner.prefill([s[:-4] for s in seqs], [3, 4, 5])
-        for src, dst, n in ((3, 0, 5), (4, 1, 26), (5, 2, 13)):
+        # extended by 4, 10 and 11 new tokens (packed), into slots out of order (the gathered-keys path)
+        for src, dst, n in ((3, 0, 5), (4, 2, 20), (5, 1, 6)):
             runner.copy_prefix(src, dst, n)
-        out = runner.prefill(seqs, [0, 1, 2], [5, 26, 13])
+        out = runner.prefill(seqs, [0, 2, 1], [5, 20, 6])
         assert max((out[i] - ref[i][len(s) - 1]).abs().max().item() for i, s in enumerate(seqs)) < 1e-5
-        out = runner.decode([5, 5, 5])
-        assert max((out[i] - ref[i][len(s)]).abs().max().item() for i, s in enumerate(seqs)) < 1e-5
-        runner.swap([0], [2])  # slot 0 now holds seqs[2]
+        out = runner.decode([5, 5, 5])  # slots 0, 1, 2 hold seqs 0, 2, 1
+        assert max((out[slot] - ref[i][len(seqs[i])]).abs().max().item() for slot, i in enumerate((0, 2, 1))) < 1e-5
+        runner.swap([0], [2])  # slot 0 now holds seqs[1], slot 2 seqs[0]
         out = runner.decode([6, 6, 6])
-        assert (out[0] - ref[2][-1]).abs().max().item() < 1e-5
+        assert (out[0] - ref[1][-1]).abs().max().item() < 1e-5
         assert (out[2] - ref[0][-1]).abs().max().item() < 1e-5
 
 

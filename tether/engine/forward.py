@@ -161,7 +161,7 @@ class LlamaFamilyRunner:
 
     def prefill(self, seqs: list[list[int]], slots: list[int], starts: list[int] | None = None) -> torch.Tensor:
         """Compute ``seqs[i][starts[i]:]`` into slot ``slots[i]``, whose cache already holds the first
-        ``starts[i]`` tokens (0 by default). One right-padded batch; returns last-token logits [k, V]."""
+        ``starts[i]`` tokens (0 by default); returns last-token logits [k, V]."""
         if starts is None or not any(starts):
             return self._prefill_fresh(seqs, slots)
         return self._prefill_extend(seqs, slots, starts)
@@ -189,45 +189,53 @@ class LlamaFamilyRunner:
         return self._logits(x[torch.arange(k), lens - 1])
 
     def _prefill_extend(self, seqs: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
-        k, L = len(seqs), max(len(s) for s in seqs)
+        """The new tokens of every row packed into one sequence for the projections and the MLP (no padding), and
+        unpacked per row, its queries padded, for attention over the row's cache (``_attend``). (Reading a prompt
+        prefix common to the rows once, as decode does, measured no faster here: each row's keys already serve
+        all of its new tokens' queries.)"""
+        k, L, dev = len(seqs), max(len(s) for s in seqs), self.device
         new = [s[st:] for s, st in zip(seqs, starts)]
         T = max(len(n) for n in new)
         self.cache.reserve(max(slots) + 1, L)
-        ids = torch.zeros(k, T, dtype=torch.long, device=self.device)
-        for i, n in enumerate(new):
-            ids[i, : len(n)] = torch.tensor(n)
-        new_lens = torch.tensor([len(n) for n in new], device=self.device)
-        start = torch.tensor(starts, device=self.device)
-        pos = start[:, None] + torch.arange(T, device=self.device)  # [k, T] absolute positions
-        rows, cols = (torch.arange(T, device=self.device)[None] < new_lens[:, None]).nonzero(as_tuple=True)
-        slot_idx = torch.tensor(slots, device=self.device)
-        where = self.cache.token_index(slot_idx[rows], pos[rows, cols])  # where the real (non-pad) tokens go
+        ids = torch.tensor([t for n in new for t in n], device=dev)  # [N] the new tokens, row after row
+        new_lens = torch.tensor([len(n) for n in new], device=dev)
+        start = torch.tensor(starts, device=dev)
+        rows = torch.repeat_interleave(torch.arange(k, device=dev), new_lens)  # [N] each token's row
+        ends = new_lens.cumsum(0)
+        cols = torch.arange(len(ids), device=dev) - (ends - new_lens)[rows]  # [N] its index among the row's new tokens
+        pos = start[rows] + cols  # [N] absolute positions
+        slot_idx = torch.tensor(slots, device=dev)
+        where = self.cache.token_index(slot_idx[rows], pos)
         cos, sin = self._rope(L)
-        cos, sin = cos[pos.clamp(max=L - 1)], sin[pos.clamp(max=L - 1)]  # [k, T, hd]
-        # query t of row i sees cached/new keys j <= start_i + t (pad queries see garbage; ignored)
-        mask = (torch.arange(L, device=self.device)[None, None] <= pos[:, :, None])[:, None]  # [k, 1, T, L]
-        contiguous = slots == list(range(slots[0], slots[0] + k))
-        x = F.embedding(ids, self.embed)  # [k, T, D]
+        cos, sin = cos[pos], sin[pos]  # [N, hd]
+        # query t of row i sees the keys j < L with j <= start_i + t (additive); the pad queries (t >= the row's
+        # new tokens) see garbage and are never read back
+        qpos = start[:, None] + torch.arange(T, device=dev)  # [k, T]
+        keep = torch.arange(L, device=dev)[None, None] <= qpos[:, :, None]  # [k, T, L]
+        mask = torch.zeros(k, T, L, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
+        nkv, rep, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        mask = mask[:, None].expand(k, rep, T, L).reshape(k, 1, rep * T, L)
+        sel = slice(slots[0], slots[0] + k) if slots == list(range(slots[0], slots[0] + k)) else slot_idx
+        x = F.embedding(ids, self.embed)  # [N, D]
         for i, w in enumerate(self.layers):
-            q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # [k, T, heads, hd]
-            self.cache.write(i, where, kk[rows, cols], v[rows, cols])
-            if contiguous:
-                keys, values = (c[i][slots[0]: slots[0] + k, :, :L] for c in (self.cache.k, self.cache.v))
-            else:
-                keys, values = (c[i][slot_idx, :, :L] for c in (self.cache.k, self.cache.v))
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               scale=self.scaling, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).flatten(2), w.o, w.o_bias)
+            q, kk, v = self._qkv(w, self._norm(x, w.ln1), cos, sin)  # q [N, H, hd], k/v [N, KV, hd]
+            self.cache.write(i, where, kk, v)
+            padded = q.new_zeros(k, T, self.num_heads, hd)
+            padded[rows, cols] = q
+            # each KV head's queries: its rep query heads × T positions, [k, KV, rep * T, hd]
+            q = padded.view(k, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(k, nkv, rep * T, hd)
+            a = self._attend(q, i, sel, 0, L, mask).view(k, nkv, rep, T, hd).permute(0, 3, 1, 2, 4)[rows, cols]
+            x = x + F.linear(a.reshape(len(ids), -1), w.o, w.o_bias)
             x = self._mlp(w, x)
         self.cache.lengths[slot_idx] = start + new_lens
-        return self._logits(x[torch.arange(k), new_lens - 1])
+        return self._logits(x[ends - 1])
 
     def decode(self, tokens: list[int], first: int = 0, shared: int = 0) -> torch.Tensor:
         """Append ``tokens[i]`` to slot ``first + i`` for i < n; returns next-token logits [n, V].
 
         ``shared``: the first ``shared`` cached positions hold the same tokens in every decoded slot (a system prompt
         and tool list): attention reads their keys and values once, from slot ``first``, for all the queries
-        (``_attend_shared``), instead of once per slot."""
+        (``_attend``), instead of once per slot."""
         n, cache = len(tokens), self.cache
         s = slice(first, first + n)  # the slots decoded
         L = int(cache.lengths[s].max()) + 1
@@ -247,32 +255,34 @@ class LlamaFamilyRunner:
             cache.write(i, where, kk, v)
             # Grouped-query attention without repeating the cache: the query heads of one KV head
             # become that head's query "positions".
-            q = q.view(n, self.num_kv_heads, rep, self.head_dim)
-            if shared:
-                a = self._attend_shared(q, i, first, n, shared, L, mask)
-            else:
-                a = F.scaled_dot_product_attention(q, cache.k[i][s, :, :L], cache.v[i][s, :, :L],
-                                                   attn_mask=mask, scale=self.scaling)
+            a = self._attend(q.view(n, self.num_kv_heads, rep, self.head_dim), i, s, shared, L, mask)
             x = x + F.linear(a.reshape(n, -1), w.o, w.o_bias)
             x = self._mlp(w, x)
         cache.lengths[s] += 1
         return self._logits(x)
 
-    def _attend_shared(self, q: torch.Tensor, layer: int, first: int, n: int, shared: int, length: int,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """Attention of q [n, KV, rep, hd] over positions [0, length) of slots first..first+n-1, whose first
-        ``shared`` positions are the same keys and values in every slot (cascade attention): the shared part is one
-        attention of all n·rep queries per KV head over slot ``first``'s keys, the rest one per slot over its own,
-        and the two are merged by their log-sum-exps. ``mask`` [n, 1, 1, length - shared] additive."""
-        kv, rep, hd = self.num_kv_heads, q.shape[2], self.head_dim
+    def _attend(self, q: torch.Tensor, layer: int, slots: slice | torch.Tensor, shared: int, length: int,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [n, KV, m, hd] (m queries per KV head of each of n sequences) over positions [0, length) of
+        the cache's ``slots`` (consecutive ones as a slice, or an index tensor); ``mask`` [n, 1, 1 or m, length -
+        shared] additive, over the positions [shared, length) that each sequence attends to on its own.
+
+        The first ``shared`` positions hold the same keys and values in every one of these slots (a system prompt and
+        tool list; cascade attention): they are read once, from the first slot, by one attention of all n·m queries
+        per KV head, the rest by one attention per sequence over its own, and the two are merged by their
+        log-sum-exps."""
         k, v = self.cache.k[layer], self.cache.v[layer]
-        s = slice(first, first + n)
-        qp = q.transpose(0, 1).reshape(1, kv, n * rep, hd)  # every query of a KV head, one batch row
-        out_p, lse_p = _flash(qp, k[first:first + 1, :, :shared], v[first:first + 1, :, :shared], scale=self.scaling)
-        out_p, lse_p = out_p.view(kv, n, rep, hd).transpose(0, 1), lse_p.view(kv, n, rep).transpose(0, 1)
-        out_s, lse_s = _flash(q, k[s, :, shared:length], v[s, :, shared:length], attn_mask=mask, scale=self.scaling)
+        own_k, own_v = k[slots, :, shared:length], v[slots, :, shared:length]
+        if not shared:
+            return F.scaled_dot_product_attention(q, own_k, own_v, attn_mask=mask, scale=self.scaling)
+        n, kv, m, hd = q.shape
+        src = slots.start if isinstance(slots, slice) else int(slots[0])
+        qp = q.transpose(0, 1).reshape(1, kv, n * m, hd)  # every query of a KV head, one batch row
+        out_p, lse_p = _flash(qp, k[src:src + 1, :, :shared], v[src:src + 1, :, :shared], scale=self.scaling)
+        out_p, lse_p = out_p.view(kv, n, m, hd).transpose(0, 1), lse_p.view(kv, n, m).transpose(0, 1)
+        out_s, lse_s = _flash(q, own_k, own_v, attn_mask=mask, scale=self.scaling)
         top = torch.maximum(lse_p, lse_s)
-        w_p, w_s = (lse_p - top).exp_().unsqueeze(-1), (lse_s - top).exp_().unsqueeze(-1)  # [n, KV, rep, 1]
+        w_p, w_s = (lse_p - top).exp_().unsqueeze(-1), (lse_s - top).exp_().unsqueeze(-1)  # [n, KV, m, 1]
         return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
     def swap(self, a: list[int], b: list[int]) -> None:
