@@ -116,8 +116,10 @@ class StragglerRollouter:
 
 
 def test_resample_attempts_start_before_a_likely_degenerate_first_attempt_ends(metrics):
-    """sync mode: three of four first episodes agree → the attempts start before the straggler; B's first attempt
-    turns out informative (its straggler differs), so its early attempts are cancelled and counted speculative."""
+    """sync mode: three of four first episodes agree → attempt 1 starts before the straggler, and attempt 2 before
+    attempt 1's straggler when attempt 1's first three agree too. A's attempt 1 differs early, so its attempt 2 never
+    starts; B's first attempt turns out informative (its straggler differs), so both of its early attempts are
+    cancelled and counted speculative."""
     sync = RunConfig.model_validate({"rollout": {"mode": "sync"}, "policy_optimization": {"advantage": {
         "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
     rollouter = StragglerRollouter({"A": [[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]],
@@ -129,7 +131,8 @@ def test_resample_attempts_start_before_a_likely_degenerate_first_attempt_ends(m
     starts = [i for i, (kind, seed) in enumerate(rollouter.log) if kind == "start" and seed != first_a]
     first_end = rollouter.log.index(("end", first_a))
     assert any(i < first_end for i in starts)  # an attempt started while A's first attempt was still running
-    assert not out[0].dropped and out[0].resampled == 1 and out[0].speculative_trajectories == 4  # attempt 2 unused
+    assert not out[0].dropped and out[0].resampled == 1 and out[0].speculative_trajectories == 0  # 2 never started
+    assert len([e for e in rollouter.log if e[0] == "start"]) == 2 + 3  # A: first + attempt 1; B: all three
     assert not out[1].dropped and out[1].resampled == 0 and out[1].speculative_trajectories == 8  # both unused
 
 

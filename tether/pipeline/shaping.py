@@ -109,13 +109,15 @@ class GroupProducer:
         self.bonus_coef = bonus.coef if bonus.enabled else 0.0
         f = po.advantage.degenerate_group_filter
         self.filter, self.min_std, self.attempts = f.enabled, f.min_reward_std, f.resample_attempts
-        # In sync mode the weights cannot change while a step's groups are generated, so a degenerate group's
-        # resample attempts start together instead of one after the other: attempt k is the same episodes
-        # (same seeds, same weights) either way, the first informative one is kept as before, and the later
-        # ones are cancelled (``rollout/speculative_trajectories``). The step no longer waits for attempts in
-        # series at its tail, where the engine runs few requests. Not with a judge or a teacher (an attempt
-        # not kept would still cost their calls), nor in the async modes (an attempt takes the weights of
-        # the moment it starts).
+        # In sync mode the weights cannot change while a step's groups are generated, so a resample attempt can
+        # start before it is known to be needed: attempt k is the same episodes (same seeds, same weights) either
+        # way, the first informative one is kept as before, and the later ones are cancelled
+        # (``rollout/speculative_trajectories``). Attempt k starts once the attempt before it looks degenerate
+        # (all but its last quarter finished with equal rewards; ``produce``), so the step does not wait for
+        # attempts in series at its tail, where the engine runs few requests, and rarely generates one that is
+        # not needed. (A rollouter that does not report episodes as they finish starts them all together once
+        # the first attempt is degenerate.) Not with a judge or a teacher (an attempt not kept would still cost
+        # their calls), nor in the async modes (an attempt takes the weights of the moment it starts).
         self.concurrent_resamples = (cfg.rollout.mode == "sync" and self.attempts > 1
                                      and getattr(rollouter, "rewards", None) is None
                                      and getattr(rollouter, "score", None) is None)
@@ -138,37 +140,48 @@ class GroupProducer:
         return group, rewards is not None and rewards.settle(group.trajectories)
 
     async def produce(self, task: Task, size: int, step: int, index: int) -> Produced:
-        ahead: dict[int, asyncio.Future] = {}  # attempt -> its rollouts, started together (``concurrent_resamples``)
-
-        def start_ahead() -> None:
-            ahead.update({k: asyncio.ensure_future(self._rollouts(self._attempt_task(task, step, index, k), size,
-                                                                  self._resample_seed(step, index, k)))
-                          for k in range(1, self.attempts + 1)})
-
-        def watch(rewards: list[float]) -> None:
-            """The first attempt's rewards so far: when all but its last quarter have finished with rewards that do
-            not differ, the group is likely degenerate, so its resample attempts start now rather than after the
-            stragglers (they are the same episodes either way; an informative group cancels them)."""
-            if not ahead and len(rewards) >= size - max(1, size // 4) and group_reward_std(rewards) <= self.min_std:
-                start_ahead()
-
         early = self.filter and self.concurrent_resamples and getattr(self.rollouter, "reports_episodes", False)
+        ahead: dict[int, asyncio.Future] = {}  # attempt -> its rollouts, started before they are known to be needed
+        launched: set[int] = set()
+
+        def launch(k: int) -> None:
+            """Start resample attempt ``k`` now (``concurrent_resamples``); with ``early``, attempt k + 1 starts as
+            soon as this one looks degenerate (``watcher``)."""
+            if k > self.attempts or k in launched:
+                return
+            launched.add(k)
+            attempt = self._rollouts(self._attempt_task(task, step, index, k), size,
+                                     self._resample_seed(step, index, k), watcher(k + 1) if early else None)
+            ahead[k] = asyncio.ensure_future(attempt)
+
+        def watcher(k: int) -> Callable[[list[float]], None]:
+            def watch(rewards: list[float]) -> None:
+                """The rewards so far of the attempt before ``k``: when all but its last quarter have finished with
+                rewards that do not differ, it is likely degenerate, so attempt ``k`` starts now rather than after
+                the stragglers (the same episodes either way; an informative attempt cancels it)."""
+                if len(rewards) >= size - max(1, size // 4) and group_reward_std(rewards) <= self.min_std:
+                    launch(k)
+            return watch
+
         try:
             group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step),
-                                                        watch if early else None)
+                                                        watcher(1) if early else None)
             out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
             out.first_degenerate = degenerate = self._degenerate(group)
             out.first_rewards = list(group.rewards)
             out.any_success = any(t.success for t in group.trajectories)
-            if degenerate and self.filter and not judge_dropped and self.concurrent_resamples and not ahead:
-                start_ahead()
+            if degenerate and self.filter and not judge_dropped and self.concurrent_resamples and not early:
+                for k in range(1, self.attempts + 1):  # no early signal: every attempt starts together
+                    launch(k)
             while (degenerate and self.filter and not judge_dropped
                    and resample_or_drop(out.resampled, self.attempts) == "resample"):
                 out.resampled += 1
                 k = out.resampled
-                seed = self._resample_seed(step, index, k)
+                if self.concurrent_resamples:
+                    launch(k)
                 attempt = (ahead.pop(k) if k in ahead
-                           else self._rollouts(self._attempt_task(task, step, index, k), size, seed))
+                           else self._rollouts(self._attempt_task(task, step, index, k), size,
+                                               self._resample_seed(step, index, k)))
                 group, judge_dropped = await attempt
                 out.group, out.bonus = group, self._shape(group)
                 out.resampled_trajectories += size
