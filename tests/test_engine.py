@@ -122,6 +122,23 @@ def test_decode_with_a_shared_prompt_matches_hf(kind):
     assert max((out[i] - ref[i]).abs().max().item() for i in range(4)) < 1e-4
 
 
+def test_decode_of_a_prompts_last_token_with_the_whole_prompt_shared():
+    """A group's samples whose prompt is cached but its last token (fed by decode, no prefill): the prompts are all
+    alike, so ``shared`` is their whole length, which reaches the token being decoded; decode reads at most the
+    positions before it as shared (each slot's own part keeps the new token)."""
+    model = _small("qwen2")
+    prompt = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1]
+    runner = LlamaFamilyRunner(model)
+    with torch.inference_mode():
+        runner.prefill([prompt[:-1]], [0])
+        for dst in (1, 2):
+            runner.copy_prefix(0, dst, len(prompt) - 1)
+        out = runner.decode([prompt[-1]] * 3, shared=len(prompt))
+    assert torch.isfinite(out).all() and (out - ref).abs().max().item() < 1e-4
+
+
 def test_shared_prompt_is_the_common_prefix_of_the_running_prompts():
     def reqs(*prompts):
         return [SimpleNamespace(prompt=p) for p in prompts]
@@ -379,6 +396,25 @@ def test_prefix_cache_reuses_previous_turn_and_shared_prompts(tiny, engine):
     results = run(engine, group, GREEDY)
     assert engine.stats["cached_prompt_tokens"] - before >= 4 * len(turn1)
     assert all(r.token_ids == hf_greedy(model, p, 24) for p, r in zip(group, results))
+    # the same prompts again: cached but their last tokens, which are their first decode step's inputs (no prefill)
+    steps, prefills = engine.stats["steps"], _count_prefills(engine)
+    again = run(engine, group, GREEDY)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
+    assert _count_prefills(engine) == prefills and engine.stats["steps"] > steps
+
+
+def _count_prefills(engine) -> int:
+    """Prefill calls of the engine's runner so far (counted from the first call on)."""
+    runner = engine._runner
+    if not hasattr(runner, "prefill_calls"):
+        runner.prefill_calls, prefill = 0, runner.prefill
+
+        def counted(*args, **kwargs):
+            runner.prefill_calls += 1
+            return prefill(*args, **kwargs)
+
+        runner.prefill = counted
+    return runner.prefill_calls
 
 
 def test_prefix_index_finds_longest_prefix():

@@ -243,6 +243,7 @@ class LlamaFamilyRunner:
         L = int(cache.lengths[s].max()) + 1
         cache.reserve(first + n, L)
         pos = cache.lengths[s]  # [n] where each new token goes (read after reserve, which may reallocate)
+        shared = min(shared, int(pos.min()))  # each slot attends to one position at least on its own: its new token
         cos, sin = self._rope(L)
         cos, sin = cos[pos], sin[pos]  # [n, hd]
         # additive (a bit faster), over the positions each slot attends to on its own: [shared, L)

@@ -329,7 +329,10 @@ class LocalEngine:
             widest = widest_next
         if new:
             first = len(slots.running) - len(new)
-            for a, b in self._batches(len(new)):
+            # When every new prompt is cached but its last token (a group's samples after the first), that token is
+            # their input to this step's decode: no prefill call for them.
+            tail_only = all(0 < st == len(r.prompt) - 1 for r, st in zip(new, starts))
+            for a, b in self._batches(len(new)) if not tail_only else ():
                 logits = self._runner.prefill([r.prompt for r in new[a:b]], list(range(first + a, first + b)),
                                               starts[a:b])
                 self._emit(new[a:b], logits, version)
@@ -343,7 +346,8 @@ class LocalEngine:
             running = slots.running
             shared = 0 if self.deterministic else shared_prompt(running)
             for a, b in self._batches(len(running)):
-                logits = self._runner.decode([r.tokens[-1] for r in running[a:b]], first=a, shared=shared)
+                inputs = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in running[a:b]]  # (tail_only)
+                logits = self._runner.decode(inputs, first=a, shared=shared)
                 self._emit(running[a:b], logits, version)
             self._retire()
 

@@ -160,7 +160,7 @@ class SlotTable:
             if done[i]:
                 self._forget(req)
                 if park[i] and self.max_parked > 0:
-                    p = _Parked(req.prompt + req.tokens[:-1])  # the last token was never fed back
+                    p = _Parked((req.prompt + req.tokens)[:-1])  # the last token was never fed back
                     self._owner[i], self._slot[p], self._parked[p] = p, i, None
                     self._index.add(p, p.tokens)
         n = len(running) - sum(done)
