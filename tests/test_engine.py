@@ -258,6 +258,21 @@ def test_sample_function_statistics():
     assert tokens.tolist() == [0, 0, 0]
 
 
+def test_a_rows_sample_does_not_depend_on_the_other_rows():
+    """Beside nucleus (top-p < 1) and greedy rows, a plain row draws what it draws alone (its cumulated weights in
+    vocabulary order, not sorted because another row needed sorting)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(60, 50, generator=g) * 2
+    temperature = torch.tensor([0.0, 0.7, 1.0] * 20)
+    top_p = torch.tensor([1.0, 1.0, 0.8, 0.5] * 15)
+    uniform = torch.rand(60, generator=g)
+    tokens, logprobs = sample(logits, temperature, top_p, uniform)
+    for i in range(60):
+        one = slice(i, i + 1)
+        alone = sample(logits[one], temperature[one], top_p[one], uniform[one])
+        assert int(alone[0]) == int(tokens[i]) and abs(float(alone[1]) - float(logprobs[i])) < 1e-6
+
+
 # --- weights, concurrency, lifecycle --------------------------------------------------------------------
 
 def _other_weights(model, seed=1):

@@ -20,20 +20,24 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     """
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # [B, V]
-    tokens = logits.argmax(dim=-1)
-    rows = (~greedy).nonzero().squeeze(1)
-    if rows.numel():
-        probs = logp[rows].exp()  # [S, V]
-        p = top_p[rows]
-        if bool((p < 1).any()):
-            probs, order = probs.sort(dim=-1, descending=True)
-            before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-            probs = probs.masked_fill(before >= p[:, None], 0.0)  # keeps the top token always
-        else:
-            order = None
-        cdf = probs.cumsum(dim=-1)
-        target = uniform[rows, None] * cdf[:, -1:]
-        idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [S, 1]
-        tokens[rows] = (order.gather(1, idx) if order is not None else idx).squeeze(1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    z = logits / temp[:, None]  # [B, V]
+    z -= z.amax(dim=-1, keepdim=True)
+    weights = z.exp()  # unnormalised probabilities (a greedy row's are computed and not used)
+    total = weights.sum(dim=-1, keepdim=True)
+    tokens = _inverse_cdf(weights, uniform)
+    nucleus = (top_p < 1) & ~greedy
+    if bool(nucleus.any()):  # those rows draw from their top-p tokens, most likely first
+        ranked, order = weights.sort(dim=-1, descending=True)
+        before = ranked.cumsum(dim=-1) - ranked  # mass of strictly more likely tokens
+        ranked = ranked.masked_fill(before >= top_p[:, None] * total, 0.0)  # keeps the top token always
+        tokens = torch.where(nucleus, order.gather(1, _inverse_cdf(ranked, uniform)[:, None]).squeeze(1), tokens)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, (z.gather(1, tokens[:, None]) - total.log()).squeeze(1)  # log_softmax(logits / T)[token]
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The index each row's uniform falls at in its cumulated (unnormalised) weights [B, V]; returns [B]."""
+    cdf = weights.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+    return idx.clamp_(max=cdf.shape[1] - 1).squeeze(1)
