@@ -8,7 +8,9 @@ batch); response budget (``engine.max_tokens``) 64, 128, 256; and model size —
 architecture at the demo's width, 2× and 4× (≈ 1×, 4× and 16× the layers' parameters; the degenerate-group
 filter is off there, since an untrained model's groups carry no signal). Each point runs ``--warmup`` + ``--steps``
 steps under ``stage_timers.py`` (``step_profile.profile``) and prints the median step, the per-stage shares, and
-the tokens generated and trained.
+the tokens generated and trained. ``rollout`` is the rollout phase (the step's batch generated) over the step and
+``learner`` the learner's stage times over it; with ``learner.overlap_rollout`` most of the learner's time falls
+inside the rollout phase, so the two can sum past 100 %.
 
 Then the fit: step time = a + b · (trained tokens) + c · (generated tokens), least squares over the points of the
 first three axes, with each point's residual; a point more than 25 % off the fit is named as where the linear
@@ -73,8 +75,8 @@ def measure(model: str, overrides: list[str], steps: int, warmup: int) -> dict[s
     tail = statistics.median(s["resample_tail"] for s in steps_)
     trained = statistics.median(s["tokens"].get("forward", 0) for s in steps_)  # tokens through the learner
     generated = statistics.median(s["tokens"].get("decode", 0) for s in steps_)  # tokens decoded by the engine
-    learner = sum(stage.get(k, 0.0) for k in LEARNER)
-    rollout = step - learner
+    learner = sum(stage.get(k, 0.0) for k in LEARNER)  # beside the rollout (learner.overlap_rollout) and after it
+    rollout = statistics.median(r["perf/step_time"] * r["perf/trainer_idle_ratio"] for r in rows)  # batch generated
     return {"step_s": step, "learner_s": learner, "rollout_s": rollout, "resample_tail_s": tail,
             "trained_tokens": trained, "generated_tokens": generated,
             "params": fl.layers * fl.layer_params + fl.hidden * fl.vocab,
