@@ -97,7 +97,8 @@ def test_fast_forward_matches_hf(kind):
         assert max((out[i] - ref[i][len(s) - 1]).abs().max().item() for i, s in enumerate(seqs)) < 1e-5
         out = runner.decode([5, 5, 5])  # slots 0, 1, 2 hold seqs 0, 2, 1
         assert max((out[slot] - ref[i][len(seqs[i])]).abs().max().item() for slot, i in enumerate((0, 2, 1))) < 1e-5
-        runner.swap([0], [2])  # slot 0 now holds seqs[1], slot 2 seqs[0]
+        for src, dst in ((0, 3), (2, 0), (3, 2)):  # through free slot 3: slot 0 now holds seqs[1], slot 2 seqs[0]
+            runner.move(src, dst)
         out = runner.decode([6, 6, 6])
         assert (out[0] - ref[1][-1]).abs().max().item() < 1e-5
         assert (out[2] - ref[0][-1]).abs().max().item() < 1e-5

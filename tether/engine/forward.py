@@ -9,7 +9,7 @@ HF forward per sequence per step with its own ``DynamicCache``.
 Both runners keep the same contract: running sequences live in slots ``0..n-1``; ``prefill`` fills the
 given slots from scratch and returns the logits of each sequence's last token; ``decode`` appends one
 token to each of slots ``0..n-1`` (or ``first..first+n-1``: the deterministic engine decodes one slot at a
-time) and returns the next-token logits; ``swap`` exchanges two slots.
+time) and returns the next-token logits; ``move`` puts one slot's cache into another.
 The fast runner can also extend a slot whose cache already holds a prefix (``prefill(..., starts)``,
 ``copy_prefix``), which the engine uses to reuse the KV of an earlier turn or a shared prompt.
 """
@@ -287,9 +287,6 @@ class LlamaFamilyRunner:
         # weights e^lse_p : e^lse_s, i.e. sigmoid(lse_p - lse_s) for the shared part
         return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s).unsqueeze(-1))
 
-    def swap(self, a: list[int], b: list[int]) -> None:
-        self.cache.swap(a, b)
-
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self.cache.copy_prefix(src, dst, n)
 
@@ -339,8 +336,3 @@ class HFRunner:
     def move(self, src: int, dst: int) -> None:
         self.caches.extend([None] * (max(src, dst) + 1 - len(self.caches)))
         self.caches[dst], self.caches[src] = self.caches[src], None
-
-    def swap(self, a: list[int], b: list[int]) -> None:
-        self.caches.extend([None] * (max(a + b, default=-1) + 1 - len(self.caches)))
-        for i, j in zip(a, b):
-            self.caches[i], self.caches[j] = self.caches[j], self.caches[i]

@@ -1,8 +1,9 @@
 """A slot-based KV cache: one preallocated tensor per layer, one slot per running sequence.
 
 Running sequences occupy slots ``0..n-1`` with no holes, so a decode step attends over the plain view
-``k[:n, :, :L]`` (no gather). When a sequence finishes, it swaps slots with one from the tail (the
-finished one's cache can then stay parked beyond ``n`` for reuse by a later prompt that extends it).
+``k[:n, :, :L]`` (no gather). When a sequence finishes, a sequence from the tail moves into its slot
+(``copy_prefix``; the finished one's cache moves first to a free slot beyond ``n``, parked for reuse by a later
+prompt that extends it; ``engine.prefix_cache.SlotTable``).
 Capacity grows by reallocation, so memory follows the workload instead of ``max_position_embeddings``;
 each growth copies the whole cache and page-faults the new one in, hence geometric steps. Memory is
 slots x capacity x layers x 2 x kv_heads x head_dim x dtype size (4 KB per token-slot for the tiny model).
@@ -72,25 +73,6 @@ class SlotKVCache:
         d = self.head_dim
         self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
-
-    def swap(self, a: list[int], b: list[int]) -> None:
-        """Exchange the contents of slots ``a[i]`` and ``b[i]`` (all distinct).
-
-        Pair by pair, each slot's own cached tokens only, all layers in one copy: three block copies of
-        [2 · layers, kv_heads, n, head_dim] per pair, where gathering every pair at the longest length
-        through an index (the former way) copied more and ran about 3× slower on a CPU."""
-        if not a:
-            return
-        self.reserve(max(a + b) + 1, 0)
-        lengths = self.lengths.tolist()
-        st = self.store
-        for x, y in zip(a, b):
-            nx, ny = lengths[x], lengths[y]
-            kept = st[:, x, :, :nx].clone()
-            st[:, x, :, :ny] = st[:, y, :, :ny]
-            st[:, y, :, :nx] = kept
-            lengths[x], lengths[y] = ny, nx
-        self.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make slot ``dst`` hold the first ``n`` cached tokens of slot ``src``."""
