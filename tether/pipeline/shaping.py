@@ -43,8 +43,9 @@ groups would get). ``optim/advantage_std`` is taken after the filter and after g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -144,15 +145,19 @@ class GroupProducer:
         ahead: dict[int, asyncio.Future] = {}  # attempt -> its rollouts, started before they are known to be needed
         launched: set[int] = set()
 
+        def attempt(k: int, on_episode: Callable[[list[float]], None] | None = None
+                    ) -> Coroutine[Any, Any, tuple[Group, bool]]:
+            """Resample attempt ``k``'s rollouts (a coroutine)."""
+            return self._rollouts(self._attempt_task(task, step, index, k), size, self._resample_seed(step, index, k),
+                                  on_episode)
+
         def launch(k: int) -> None:
             """Start resample attempt ``k`` now (``concurrent_resamples``); with ``early``, attempt k + 1 starts as
             soon as this one looks degenerate (``watcher``)."""
             if k > self.attempts or k in launched:
                 return
             launched.add(k)
-            attempt = self._rollouts(self._attempt_task(task, step, index, k), size,
-                                     self._resample_seed(step, index, k), watcher(k + 1) if early else None)
-            ahead[k] = asyncio.ensure_future(attempt)
+            ahead[k] = asyncio.ensure_future(attempt(k, watcher(k + 1) if early else None))
 
         def watcher(k: int) -> Callable[[list[float]], None]:
             def watch(rewards: list[float]) -> None:
@@ -178,11 +183,8 @@ class GroupProducer:
                 out.resampled += 1
                 k = out.resampled
                 if self.concurrent_resamples:
-                    launch(k)
-                attempt = (ahead.pop(k) if k in ahead
-                           else self._rollouts(self._attempt_task(task, step, index, k), size,
-                                               self._resample_seed(step, index, k)))
-                group, judge_dropped = await attempt
+                    launch(k)  # (a no-op when it started ahead)
+                group, judge_dropped = await (ahead.pop(k) if self.concurrent_resamples else attempt(k))
                 out.group, out.bonus = group, self._shape(group)
                 out.resampled_trajectories += size
                 out.any_success |= any(t.success for t in group.trajectories)
