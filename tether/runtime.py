@@ -98,10 +98,14 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
     ``spawn()`` (a ``ToolEnv``), the episodes' environments are spawned from it and share what it built per config."""
     make, list_tasks = resolve_environment(cfg.environment.name)  # EnvironmentNotFound (ValueError) says what it tried
     first = make(cfg)
+
+    def tasks(split: str) -> list[Task]:
+        return list_tasks(split, cfg)
+
     if callable(getattr(first, "spawn", None)):
-        return first.spawn, (lambda split: list_tasks(split, cfg))
+        return first.spawn, tasks
     first.close()
-    return (lambda: make(cfg)), (lambda split: list_tasks(split, cfg))
+    return (lambda: make(cfg)), tasks
 
 
 def sampling_params(cfg: RunConfig, *, greedy: bool = False) -> SamplingParams:
