@@ -515,3 +515,91 @@ def test_cancel_close_and_errors(tiny):
     assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 3000
     with pytest.raises(RuntimeError, match="closed"):
         run(engine, [prompt], GREEDY)
+
+
+def test_slot_copies_skip_the_tokens_the_destination_holds_and_leave_the_same_cache():
+    """A KV copy skips the positions whose tokens the destination slot's memory already holds, under the same weights
+    (a freed slot keeps what its last owner held). Driven through the same turns, parkings and compactions, a table
+    that skips and one that copies everything hold the same keys and values to the bit and decode the same logits;
+    the skipping one copies a fraction of the positions. After a weight change nothing is skipped from memory."""
+    model = _small("qwen2")
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 128, (40,), generator=g).tolist()
+
+    class FullCopies(SlotTable):
+        def _common(self, src, dst, n):
+            return 0
+
+    copied = {"skip": 0, "full": 0}
+    tables = {}
+    for name, cls in (("skip", SlotTable), ("full", FullCopies)):
+        runner = LlamaFamilyRunner(model)
+        copy = runner.cache.copy_prefix
+
+        def counted(src, dst, n, keep=0, copy=copy, name=name):
+            copied[name] += n - keep
+            return copy(src, dst, n, keep)
+
+        runner.cache.copy_prefix = counted
+        tables[name] = (cls(runner, max_parked=4), runner)
+
+    class Request:  # as the engine's: its cache holds prompt + tokens[:-1]
+        def __init__(self, prompt):
+            self.prompt, self.tokens = prompt, []
+
+    def admit(prompts):
+        for table, runner in tables.values():
+            new = [Request(p) for p in prompts]
+            first = len(table.running)
+            starts = [table.place(r, *table.lookup(r.prompt)) for r in new]
+            logits = runner.prefill([r.prompt for r in new], list(range(first, first + len(new))), starts)
+            for r, tok in zip(new, logits.argmax(-1).tolist()):
+                r.tokens.append(tok)
+                table.index(r)
+
+    def decode(steps):
+        out = {}
+        for _ in range(steps):
+            for name, (table, runner) in tables.items():
+                feed = [r.tokens[-1] for r in table.running]
+                out[name] = runner.decode(feed, shared=shared_prompt(table.running))
+                for r, tok in zip(table.running, out[name].argmax(-1).tolist()):
+                    r.tokens.append(tok)
+            assert torch.equal(out["skip"], out["full"])
+
+    def retire(which):
+        for table, _ in tables.values():
+            table.retire([i in which for i in range(len(table.running))], park=[True] * len(table.running))
+
+    def same_cache():
+        (ts, rs), (tf, rf) = tables["skip"], tables["full"]
+        for a, b in zip(ts.running, tf.running):
+            i, j = ts._slot[a], tf._slot[b]
+            n = int(rs.cache.lengths[i])
+            assert n == int(rf.cache.lengths[j]) and (a.prompt, a.tokens) == (b.prompt, b.tokens)
+            assert torch.equal(rs.cache.store[:, i, :, :n], rf.cache.store[:, j, :, :n])
+
+    with torch.inference_mode():
+        tasks = [system + torch.randint(0, 128, (12 + 5 * t,), generator=g).tolist() for t in range(3)]
+        admit([tasks[t % 3] for t in range(6)])  # two samples of each task
+        decode(4)
+        retire({0, 2, 3})  # holes filled from the tail, parked caches moved out of the way
+        same_cache()
+        turns = [p.tokens + [9, 9] for p in list(tables["skip"][0]._parked)][:2]  # next turns of parked conversations
+        admit(turns + [tasks[0] + [1]])
+        decode(3)
+        same_cache()
+        retire({1, 3})
+        admit([tasks[2] + [4, 4], system + [8] * 20])
+        decode(2)
+        same_cache()
+        assert copied["skip"] < 0.6 * copied["full"]
+        # new weights: what the free slots' memory holds is from the old ones, so nothing is skipped from it
+        for table, runner in tables.values():
+            table.drop_prefixes(running_too=True)
+            table.retire([True] * len(table.running), park=[False] * len(table.running))
+            runner.reload()
+        admit([tasks[0]])
+        before = dict(copied)
+        admit([tasks[0] + [3]])  # its prompt copied from slot 0 into slot 1, which held the system prompt and more
+        assert copied["skip"] - before["skip"] == copied["full"] - before["full"] == len(tasks[0])

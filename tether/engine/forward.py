@@ -287,12 +287,18 @@ class LlamaFamilyRunner:
         # weights e^lse_p : e^lse_s, i.e. sigmoid(lse_p - lse_s) for the shared part
         return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s).unsqueeze(-1))
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self.cache.copy_prefix(src, dst, n)
+    def copy_prefix(self, src: int, dst: int, n: int, keep: int = 0) -> None:
+        """Slot ``dst`` gets the first ``n`` cached tokens of slot ``src``; it holds the first ``keep`` already."""
+        self.cache.copy_prefix(src, dst, n, keep)
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``src``'s cached tokens into slot ``dst`` (whose contents are dropped); ``src`` is left as it was."""
-        self.cache.copy_prefix(src, dst, int(self.cache.lengths[src]))
+    def move(self, src: int, dst: int, keep: int = 0) -> None:
+        """Slot ``src``'s cached tokens into slot ``dst``, which holds the first ``keep`` of them already (the rest of
+        its contents are dropped); ``src`` is left as it was."""
+        self.cache.copy_prefix(src, dst, self.length(src), keep)
+
+    def length(self, slot: int) -> int:
+        """How many tokens ``slot`` holds."""
+        return int(self.cache.lengths[slot]) if slot < self.cache.num_slots else 0
 
     def truncate(self, slot: int, n: int) -> None:
         """Keep only the first ``n`` cached tokens of ``slot``."""
@@ -333,6 +339,6 @@ class HFRunner:
         self.caches.extend([None] * (slot + 1 - len(self.caches)))
         self.caches[slot] = None
 
-    def move(self, src: int, dst: int) -> None:
+    def move(self, src: int, dst: int, keep: int = 0) -> None:
         self.caches.extend([None] * (max(src, dst) + 1 - len(self.caches)))
         self.caches[dst], self.caches[src] = self.caches[src], None

@@ -74,8 +74,9 @@ class SlotKVCache:
         self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Make slot ``dst`` hold the first ``n`` cached tokens of slot ``src``."""
+    def copy_prefix(self, src: int, dst: int, n: int, keep: int = 0) -> None:
+        """Make slot ``dst`` hold the first ``n`` cached tokens of slot ``src``, of which it holds the first ``keep``
+        already (copied are positions ``keep..n-1``)."""
         self.reserve(dst + 1, n)
-        self.store[:, dst, :, :n] = self.store[:, src, :, :n]
+        self.store[:, dst, :, keep:n] = self.store[:, src, :, keep:n]
         self.lengths[dst] = n

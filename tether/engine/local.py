@@ -218,6 +218,8 @@ class LocalEngine:
         """The worker's torch threads from its next step on (e.g. half the cores when a learner computes beside it)."""
         if n < 1:
             raise ValueError(f"num_threads must be >= 1, got {n}")
+        if n == self.num_threads:
+            return
         with self._cv:
             self.num_threads = n
             self._threads_changed = True

@@ -84,6 +84,19 @@ class PrefixIndex:
         return best, best_len
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (C-speed slice comparisons, bisecting the first
+    difference)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    return lo
+
+
 class _Parked:
     """The KV cache of a finished request (prompt + all but its last token), kept for reuse."""
 
@@ -103,6 +116,11 @@ class SlotTable:
     cache in the way moves to a free slot). A move copies one slot's cached tokens once (into a free slot),
     where an exchange of two slots copied both and one of them twice.
     Parked caches are evicted least-recently-used beyond ``max_parked``.
+
+    A copy skips the positions the destination holds already. A slot's memory keeps its keys and values after its
+    owner leaves (``_ghost``), and the table knows which tokens each slot holds and under which weights (``_epoch``,
+    counted by ``drop_prefixes``). Slots are mostly filled by conversations of one environment, so a destination
+    usually holds the same system prompt and tool list, and often a task's whole first prompt (a group's samples).
     """
 
     def __init__(self, runner: Any, max_parked: int, reuse: bool = True):
@@ -113,6 +131,9 @@ class SlotTable:
         self._slot: dict[Any, int] = {}
         self._parked: dict[_Parked, None] = {}  # insertion order = LRU order
         self._index = PrefixIndex()
+        self._epoch = 0  # the weights' epoch (drop_prefixes starts a new one)
+        self._epochs: dict[Any, int] = {}  # running request or parked cache -> the epoch its keys were computed in
+        self._ghost: dict[int, tuple[list[int], int]] = {}  # free slot -> (tokens its memory holds, their epoch)
 
     @property
     def num_parked(self) -> int:
@@ -128,23 +149,27 @@ class SlotTable:
         ``entry`` (from ``lookup``); returns ``n``, the tokens already cached."""
         t = len(self.running)
         self._grow(t + 1)
+        epoch = self._epoch  # of the keys the request starts from (-1: not all of one epoch)
         if isinstance(entry, _Parked) and n >= len(entry.tokens) - 1 and n > 0:  # take it over
             if self._slot[entry] != t:
                 self._vacate(t)  # (not into the entry's slot: it is still owned)
                 self._move(self._slot[entry], t)
+            epoch = self._epochs.get(entry, -1)
             self._forget(entry)
             self.runner.truncate(t, n)
         else:
             self._vacate(t)
             if entry is not None and n > 0:
-                self.runner.copy_prefix(self._slot[entry], t, n)
+                src = self._slot[entry]
+                self.runner.copy_prefix(src, t, n, self._common(src, t, n))
+                epoch = epoch if self._epochs.get(entry) == epoch else -1
                 if isinstance(entry, _Parked):  # recently useful: evict it last
                     self._parked.pop(entry)
                     self._parked[entry] = None
             else:
                 self.runner.truncate(t, 0)
                 n = 0
-        self._owner[t], self._slot[req] = req, t
+        self._owner[t], self._slot[req], self._epochs[req] = req, t, epoch
         self.running.append(req)
         return n
 
@@ -158,10 +183,11 @@ class SlotTable:
         running = self.running
         for i, req in enumerate(running):
             if done[i]:
+                epoch = self._epochs.get(req, -1)
                 self._forget(req)
                 if park[i] and self.max_parked > 0:
                     p = _Parked((req.prompt + req.tokens)[:-1])  # the last token was never fed back
-                    self._owner[i], self._slot[p], self._parked[p] = p, i, None
+                    self._owner[i], self._slot[p], self._parked[p], self._epochs[p] = p, i, None, epoch
                     self._index.add(p, p.tokens)
         n = len(running) - sum(done)
         holes = [i for i in range(n) if done[i]]
@@ -178,14 +204,20 @@ class SlotTable:
         prompts as prefixes unless their caches are recomputed."""
         for p in list(self._parked):
             self._forget(p)
+        self._epoch += 1
+        self._ghost.clear()
         if running_too:
             for req in self.running:
                 self._index.remove(req)
+        else:  # their caches are recomputed under the new weights (LocalEngine._refill)
+            for req in self.running:
+                self._epochs[req] = self._epoch
 
     def clear(self) -> None:
         for entry in list(self._slot):
             self._forget(entry)
         self.running = []
+        self._ghost.clear()
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -193,17 +225,44 @@ class SlotTable:
         self._owner.extend([None] * (n - len(self._owner)))
 
     def _forget(self, entry: Any) -> None:
-        """Drop ``entry``'s bookkeeping; its slot becomes free."""
+        """Drop ``entry``'s bookkeeping; its slot becomes free (its memory still holds ``entry``'s tokens)."""
+        slot = self._slot.get(entry)
+        if slot is not None and self._owner[slot] is entry:
+            self._haunt(slot)
+            self._owner[slot] = None
         self._index.remove(entry)
         self._parked.pop(entry, None)
-        slot = self._slot.pop(entry, None)
-        if slot is not None and self._owner[slot] is entry:
-            self._owner[slot] = None
+        self._slot.pop(entry, None)
+        self._epochs.pop(entry, None)
 
     def _move(self, src: int, dst: int) -> None:
-        """Slot ``src``'s cache and owner into the free slot ``dst`` (one copy of its tokens; ``src`` becomes free)."""
-        self.runner.move(src, dst)
+        """Slot ``src``'s cache and owner into the free slot ``dst`` (one copy of the tokens ``dst`` does not hold
+        already; ``src`` becomes free, its memory as it was)."""
+        self.runner.move(src, dst, self._common(src, dst, None))
+        self._haunt(src)
         self._relabel(src, dst)
+
+    def _haunt(self, slot: int) -> None:
+        """``slot`` is about to be freed: remember what its memory holds."""
+        if self.reuse:
+            self._ghost[slot] = self._held(slot)
+
+    def _held(self, slot: int) -> tuple[list[int], int]:
+        """(the tokens whose keys and values ``slot``'s memory holds, the epoch they were computed in)."""
+        owner = self._owner[slot] if slot < len(self._owner) else None
+        if owner is None:
+            return self._ghost.get(slot, ([], -1))
+        tokens = owner.tokens if isinstance(owner, _Parked) else owner.prompt + owner.tokens
+        return tokens[:self.runner.length(slot)], self._epochs.get(owner, -1)
+
+    def _common(self, src: int, dst: int, n: int | None) -> int:
+        """How many of the first ``n`` tokens of ``src`` (None: all it holds) slot ``dst`` holds already."""
+        if not self.reuse:
+            return 0
+        (a, ea), (b, eb) = self._held(src), self._held(dst)
+        if ea != eb or ea < 0:
+            return 0
+        return common_prefix(a if n is None else a[:n], b)
 
     def _relabel(self, a: int, b: int) -> None:
         """Slots a and b exchanged their contents: follow with the bookkeeping."""
@@ -235,12 +294,7 @@ def shared_prompt(running: list[Any]) -> int:
     ref = running[0].prompt
     p = min(len(r.prompt) for r in running)
     for r in running[1:]:
-        if r.prompt[:p] != ref[:p]:  # C-speed slice comparisons; bisect the first difference
-            lo, hi = 0, p - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if r.prompt[:mid] == ref[:mid] else (lo, mid - 1)
-            p = lo
+        p = common_prefix(r.prompt, ref[:p])
         if p < MIN_SHARED_PROMPT:
             return 0
     return p
