@@ -148,7 +148,8 @@ def torch_threads(n: int) -> Any:
 
 def threads_of(stage: str, rows: list[dict[str, Any]]) -> int:
     """The torch threads a stage ran with: the learner's worker beside the rollout has half
-    (``tether.pipeline.streaming``), the engine's thread too while it does; everything else all of them."""
+    (``tether.pipeline.streaming``), the engine's thread too while the learner trains (all of them while it waits:
+    its roofline is given at half, the lower bound); everything else all of them."""
     overlapped = any(r.get("perf/learner_overlap_s", 0) > 0 for r in rows)
     if overlapped and (stage in TRAINER_STAGES or stage in ("prefill", "decode")):
         return max(1, torch.get_num_threads() // 2)

@@ -32,7 +32,7 @@ from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
-from tether.pipeline.streaming import overlaps, split_threads
+from tether.pipeline.streaming import overlaps
 from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
 from tether.runtime import Runtime, local_engine
@@ -206,6 +206,7 @@ class Run:
     progress: Progress
     start: int = 0
     _closers: list[Callable[[], object]] = field(default_factory=list)
+    engine_threads: Callable[[int], object] | None = None  # the local engine's torch threads (StepUpdate shares them)
 
     @classmethod
     def build(cls, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_dir: str | None = None,
@@ -235,8 +236,9 @@ class Run:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
             learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
-            if overlaps(cfg, learner) and isinstance(rt.engine, LocalEngine):  # engine and learner compute at once
-                rt.engine.set_num_threads(split_threads())
+            # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
+            engine_threads = (rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlaps(cfg, learner)
+                              else None)
             derived = cfg.derived()
             sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
             allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})
@@ -291,7 +293,7 @@ class Run:
                 close()
             raise
         run = cls(cfg, run_dir, rt, learner, sampler, allocator, weights, source, evaluator, recorder, progress,
-                  start, closers)
+                  start, closers, engine_threads)
         progress.note(f"{learner.describe()}; {derived['prompts_per_step']} tasks × "
                       f"{derived['group_size']} rollouts per step; rollout.mode {cfg.rollout.mode}")
         for warning in _config_warnings(cfg):

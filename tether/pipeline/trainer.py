@@ -54,7 +54,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         eval_after = eval_before
         for step in range(run.start + 1, tr.total_steps + 1):
             t0, busy = time.perf_counter(), run.rt.engine.stats["busy_s"]
-            with StepUpdate(cfg, run.learner) as update:  # sync mode: trains each group as it finishes
+            # sync mode: each group trained as it finishes
+            with StepUpdate(cfg, run.learner, run.engine_threads) as update:
                 batch = run.source.next_batch(step, on_group=update.offer)
                 fault("batch", step)
                 if (warning := no_signal_warning(batch.produced, step)) is not None:

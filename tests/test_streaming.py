@@ -1,0 +1,70 @@
+"""StepUpdate's thread sharing: the learner's worker lends the rollout engine its torch threads while it waits."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from conftest import SMALL_RUN
+from tether.config import load_config
+from tether.pipeline.streaming import StepUpdate
+
+
+class _Accumulation:
+    def __init__(self, lent):
+        self.lent, self.seen, self.trajectories = lent, [], []
+
+    def add_trajectories(self, trajs, adv):
+        self.seen.append((torch.get_num_threads(), self.lent[-1]))  # the learner's threads and the engine's, meanwhile
+        self.trajectories += trajs
+        time.sleep(0.02)
+
+
+class _Learner:
+    streams = True
+
+    def __init__(self, lent):
+        self.update = _Accumulation(lent)
+        self.finished = threading.Event()
+
+    def begin_step(self):
+        return self.update
+
+    def finish_step(self, update):
+        self.finished.set()
+
+
+def _group(index):
+    trajs = [SimpleNamespace(reward=float(i % 2)) for i in range(2)]
+    return SimpleNamespace(index=index, dropped=False, group=SimpleNamespace(trajectories=trajs))
+
+
+def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_trains(tmp_path):
+    (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
+    cfg = load_config([tmp_path / "cfg.yaml"], ["rollout.mode=sync", "learner.overlap_rollout=true"])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lent = [2]  # the engine's threads, as StepUpdate sets them
+    try:
+        learner = _Learner(lent)
+        with StepUpdate(cfg, learner, engine_threads=lent.append) as update:
+            groups = [_group(i) for i in range(3)]
+            update.offer(groups[0])
+            for _ in range(200):
+                if lent[-1] == 2 and len(lent) > 2:
+                    break
+                time.sleep(0.01)
+            update.offer(groups[1])  # two at once: the worker keeps the engine at one thread in between
+            update.offer(groups[2])
+            for _ in range(200):
+                if len(learner.update.seen) == 3:
+                    break
+                time.sleep(0.01)
+            trajs = [t for g in groups for t in g.group.trajectories]
+            assert update.train(groups, trajs, torch.zeros(len(trajs)))
+        assert learner.finished.is_set()
+        assert learner.update.seen == [(1, 1)] * 3  # each group trained on one thread, the engine on the other
+        assert lent[1:] == [1, 2, 1, 1, 2, 2]  # lent back when the learner waits, and when its worker stops
+    finally:
+        torch.set_num_threads(saved)
