@@ -75,9 +75,11 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
                       for lin in linears])
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _residual(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + a·weightᵀ (+ bias): one addmm for the token rows of decode and packed prefill."""
+    if bias is None and x.dim() == 2:
+        return torch.addmm(x, a, weight.t())
+    return x + F.linear(a, weight, bias)
 
 
 class LlamaFamilyRunner:
@@ -126,14 +128,21 @@ class LlamaFamilyRunner:
             ))
 
     def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables [n, head_dim] for positions < n, from the model's own rotary embedding."""
+        """cos/sin tables [n, head_dim] for positions < n, from the model's own rotary embedding; the sin table's first
+        half negated (``_rotate``)."""
         if self._cos.shape[0] < n:
             size = min(self.cache.max_len, max(n, 2 * self._cos.shape[0], 256))
             pos = torch.arange(size, device=self.device)[None]
             dummy = torch.empty(0, dtype=self.dtype, device=self.device)
             cos, sin = self.model.model.rotary_emb(dummy, pos)
-            self._cos, self._sin = cos[0], sin[0]
+            half = self.head_dim // 2
+            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self._cos, self._sin
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE: HF's x·cos + rotate_half(x)·sin, where rotate_half(x) = [-x₂, x₁] is the roll [x₂, x₁] times the sign
+        that ``_rope`` folded into sin (one op where chunk, neg and cat were three; the same products)."""
+        return x * cos + x.roll(self.head_dim // 2, -1) * sin
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op (half the time of six)
@@ -144,19 +153,19 @@ class LlamaFamilyRunner:
         return weight * xf.to(x.dtype)
 
     def _qkv(self, w: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Projections + RoPE. h [..., D] -> q [..., H, hd], k/v [..., KV, hd]."""
+        """Projections + RoPE. h [..., D] -> q [..., H, hd], k/v [..., KV, hd]; cos/sin [..., 1, hd] (from ``_rope``)."""
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.unflatten(-1, (nh, hd)), k.unflatten(-1, (nkv, hd)), v.unflatten(-1, (nkv, hd))
-        if w.q_norm is not None:
-            assert w.k_norm is not None  # q_norm and k_norm come together (Qwen3)
-            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        qkv = F.linear(h, w.qkv, w.qkv_bias).unflatten(-1, (nh + 2 * nkv, hd))
+        if w.q_norm is None:  # queries and keys rotated together
+            qk = self._rotate(qkv[..., :nh + nkv, :], cos, sin)
+            return qk[..., :nh, :], qk[..., nh:, :], qkv[..., nh + nkv:, :]
+        assert w.k_norm is not None  # q_norm and k_norm come together (Qwen3)
+        q, k = self._norm(qkv[..., :nh, :], w.q_norm), self._norm(qkv[..., nh:nh + nkv, :], w.k_norm)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), qkv[..., nh + nkv:, :]
 
     def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(self._norm(x, w.ln2), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return _residual(x, F.silu(gate) * up, w.down, w.down_bias)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(x, self.norm), self.lm_head).float()
@@ -176,7 +185,7 @@ class LlamaFamilyRunner:
             ids[i, : len(s)] = torch.tensor(s)
         lens = torch.tensor([len(s) for s in seqs], device=self.device)
         slot_idx = torch.tensor(slots, device=self.device)
-        cos, sin = (t[:T] for t in self._rope(T))
+        cos, sin = (t[:T, None] for t in self._rope(T))  # [T, 1, hd]: broadcast over heads
         where = self.cache.token_index(slot_idx.repeat_interleave(T), torch.arange(T, device=self.device).repeat(k))
         x = F.embedding(ids, self.embed)  # [k, T, D]
         for i, w in enumerate(self.layers):
@@ -209,7 +218,7 @@ class LlamaFamilyRunner:
         slot_idx = torch.tensor(slots, device=dev)
         where = self.cache.token_index(slot_idx[rows], pos)
         cos, sin = self._rope(L)
-        cos, sin = cos[pos], sin[pos]  # [N, hd]
+        cos, sin = cos[pos, None], sin[pos, None]  # [N, 1, hd]
         # query t of row i sees the keys j < L with j <= start_i + t (additive); the pad queries (t >= the row's
         # new tokens) see garbage and are never read back
         qpos = start[:, None] + torch.arange(T, device=dev)  # [k, T]
@@ -227,7 +236,7 @@ class LlamaFamilyRunner:
             # each KV head's queries: its rep query heads × T positions, [k, KV, rep * T, hd]
             q = padded.view(k, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(k, nkv, rep * T, hd)
             a = self._attend(q, i, sel, 0, L, mask).view(k, nkv, rep, T, hd).permute(0, 3, 1, 2, 4)[rows, cols]
-            x = x + F.linear(a.reshape(len(ids), -1), w.o, w.o_bias)
+            x = _residual(x, a.reshape(len(ids), -1), w.o, w.o_bias)
             x = self._mlp(w, x)
         self.cache.lengths[slot_idx] = start + new_lens
         return self._logits(x[ends - 1])
@@ -245,7 +254,7 @@ class LlamaFamilyRunner:
         pos = cache.lengths[s]  # [n] where each new token goes (read after reserve, which may reallocate)
         shared = min(shared, int(pos.min()))  # each slot attends to one position at least on its own: its new token
         cos, sin = self._rope(L)
-        cos, sin = cos[pos], sin[pos]  # [n, hd]
+        cos, sin = cos[pos, None], sin[pos, None]  # [n, 1, hd]
         # additive (a bit faster), over the positions each slot attends to on its own: [shared, L)
         keep = torch.arange(shared, L, device=self.device)[None] <= pos[:, None]  # [n, L - shared]
         mask = torch.zeros(n, 1, 1, L - shared, dtype=self.dtype, device=self.device)
@@ -259,7 +268,7 @@ class LlamaFamilyRunner:
             # Grouped-query attention without repeating the cache: the query heads of one KV head
             # become that head's query "positions".
             a = self._attend(q.view(n, self.num_kv_heads, rep, self.head_dim), i, s, shared, L, mask)
-            x = x + F.linear(a.reshape(n, -1), w.o, w.o_bias)
+            x = _residual(x, a.reshape(n, -1), w.o, w.o_bias)
             x = self._mlp(w, x)
         cache.lengths[s] += 1
         return self._logits(x)

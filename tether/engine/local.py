@@ -58,7 +58,7 @@ import torch
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
-from tether.engine.prefix_cache import SlotTable, shared_prompt
+from tether.engine.prefix_cache import SlotTable
 from tether.engine.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class LocalEngine:
         if slots.running:
             self._segment_steps += 1
             running = slots.running
-            shared = 0 if self.deterministic else shared_prompt(running)
+            shared = 0 if self.deterministic else slots.shared_prompt()
             for a, b in self._batches(len(running)):
                 inputs = [r.tokens[-1] if r.tokens else r.prompt[-1] for r in running[a:b]]  # (tail_only)
                 logits = self._runner.decode(inputs, first=a, shared=shared)

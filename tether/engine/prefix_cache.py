@@ -84,10 +84,10 @@ class PrefixIndex:
         return best, best_len
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (C-speed slice comparisons, bisecting the first
-    difference)."""
-    n = min(len(a), len(b))
+def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``; C-speed slice comparisons,
+    bisecting the first difference)."""
+    n = min(len(a), len(b), len(a) if limit is None else limit)
     if a[:n] == b[:n]:
         return n
     lo, hi = 0, n - 1
@@ -134,10 +134,17 @@ class SlotTable:
         self._epoch = 0  # the weights' epoch (drop_prefixes starts a new one)
         self._epochs: dict[Any, int] = {}  # running request or parked cache -> the epoch its keys were computed in
         self._ghost: dict[int, tuple[list[int], int]] = {}  # free slot -> (tokens its memory holds, their epoch)
+        self._shared: int | None = None  # shared_prompt(running), until the running requests change
 
     @property
     def num_parked(self) -> int:
         return len(self._parked)
+
+    def shared_prompt(self) -> int:
+        """``shared_prompt`` of the running requests (computed once while they stay the same)."""
+        if self._shared is None:
+            self._shared = shared_prompt(self.running)
+        return self._shared
 
     def lookup(self, prompt: list[int]) -> tuple[Any, int]:
         """Best cached prefix for ``prompt``: (entry, tokens reusable), leaving >= 1 token to compute."""
@@ -171,6 +178,7 @@ class SlotTable:
                 n = 0
         self._owner[t], self._slot[req], self._epochs[req] = req, t, epoch
         self.running.append(req)
+        self._shared = None
         return n
 
     def index(self, req: Any) -> None:
@@ -196,6 +204,7 @@ class SlotTable:
             self._vacate(a, beyond=len(running))
             self._move(b, a)
         self.running = [self._owner[i] for i in range(n)]
+        self._shared = None
         while len(self._parked) > self.max_parked:
             self._forget(next(iter(self._parked)))
 
@@ -218,6 +227,7 @@ class SlotTable:
             self._forget(entry)
         self.running = []
         self._ghost.clear()
+        self._shared = None
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -262,7 +272,7 @@ class SlotTable:
         (a, ea), (b, eb) = self._held(src), self._held(dst)
         if ea != eb or ea < 0:
             return 0
-        return common_prefix(a if n is None else a[:n], b)
+        return common_prefix(a, b, n)
 
     def _relabel(self, a: int, b: int) -> None:
         """Slots a and b exchanged their contents: follow with the bookkeeping."""
@@ -294,7 +304,7 @@ def shared_prompt(running: list[Any]) -> int:
     ref = running[0].prompt
     p = min(len(r.prompt) for r in running)
     for r in running[1:]:
-        p = common_prefix(r.prompt, ref[:p])
+        p = common_prefix(r.prompt, ref, p)
         if p < MIN_SHARED_PROMPT:
             return 0
     return p
