@@ -153,7 +153,7 @@ class LlamaFamilyRunner:
         return weight * xf.to(x.dtype)
 
     def _qkv(self, w: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Projections + RoPE. h [..., D] -> q [..., H, hd], k/v [..., KV, hd]; cos/sin [..., 1, hd] (from ``_rope``)."""
+        """Projections + RoPE. h [..., D] -> q [..., H, hd], k/v [..., KV, hd]; cos/sin [..., 1, hd]."""
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = F.linear(h, w.qkv, w.qkv_bias).unflatten(-1, (nh + 2 * nkv, hd))
         if w.q_norm is None:  # queries and keys rotated together
