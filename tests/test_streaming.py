@@ -14,11 +14,13 @@ from tether.pipeline.streaming import StepUpdate
 class _Accumulation:
     def __init__(self, lent):
         self.lent, self.seen, self.trajectories = lent, [], []
+        self.gate = threading.Event()  # a group's training ends once it is set
+        self.gate.set()
 
     def add_trajectories(self, trajs, adv):
         self.seen.append((torch.get_num_threads(), self.lent[-1]))  # the learner's threads and the engine's, meanwhile
         self.trajectories += trajs
-        time.sleep(0.02)
+        assert self.gate.wait(10)
 
 
 class _Learner:
@@ -40,6 +42,14 @@ def _group(index):
     return SimpleNamespace(index=index, dropped=False, group=SimpleNamespace(trajectories=trajs))
 
 
+def _wait_for(condition):
+    for _ in range(1000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
 def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_trains(tmp_path):
     (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
     cfg = load_config([tmp_path / "cfg.yaml"], ["rollout.mode=sync", "learner.overlap_rollout=true"])
@@ -51,16 +61,12 @@ def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_t
         with StepUpdate(cfg, learner, engine_threads=lent.append) as update:
             groups = [_group(i) for i in range(3)]
             update.offer(groups[0])
-            for _ in range(200):
-                if lent[-1] == 2 and len(lent) > 2:
-                    break
-                time.sleep(0.01)
-            update.offer(groups[1])  # two at once: the worker keeps the engine at one thread in between
+            _wait_for(lambda: len(lent) == 3)  # trained, and the engine has both threads back
+            learner.update.gate.clear()  # group 1 trains until group 2 is queued too
+            update.offer(groups[1])
             update.offer(groups[2])
-            for _ in range(200):
-                if len(learner.update.seen) == 3:
-                    break
-                time.sleep(0.01)
+            learner.update.gate.set()  # two in a row: the engine keeps one thread in between
+            _wait_for(lambda: len(lent) == 6)
             trajs = [t for g in groups for t in g.group.trajectories]
             assert update.train(groups, trajs, torch.zeros(len(trajs)))
         assert learner.finished.is_set()
