@@ -228,9 +228,9 @@ class LocalEngine:
         """The worker's torch threads from its next step on (e.g. half the cores when a learner computes beside it)."""
         if n < 1:
             raise ValueError(f"num_threads must be >= 1, got {n}")
-        if n == self.num_threads:
-            return
         with self._cv:
+            if n == self.num_threads:
+                return
             self.num_threads = n
             self._threads_changed = True
             self._cv.notify()

@@ -269,10 +269,11 @@ class SlotTable:
         """How many of the first ``n`` tokens of ``src`` (None: all it holds) slot ``dst`` holds already."""
         if not self.reuse:
             return 0
-        (a, ea), (b, eb) = self._held(src), self._held(dst)
-        if ea != eb or ea < 0:
+        b, eb = self._held(dst)
+        if eb < 0 or not b:  # nothing (of any weights) to keep: the source's tokens are not needed
             return 0
-        return common_prefix(a, b, n)
+        a, ea = self._held(src)
+        return common_prefix(a, b, n) if ea == eb else 0
 
     def _relabel(self, a: int, b: int) -> None:
         """Slots a and b exchanged their contents: follow with the bookkeeping."""
