@@ -1,0 +1,99 @@
+"""``Plan``: the values a run's components use, derived once from a ``RunConfig``.
+
+A config says what the user asked for, in the seeds' vocabulary (one number may be spelled by several keys, and
+some keys mean different things per ``rollout.mode``). The plan is what the run will do: each effective value
+computed here, once, and handed by ``Run.build`` to the component that needs it as an explicit argument. A
+component never re-derives one of these from the config, so two places cannot disagree about, say, the staleness
+bound of ``one_step_off_policy`` (the monitor once checked the configured 4 while the pipeline held 1).
+
+``Plan.of(cfg)`` is cheap and pure; ``totals()`` is what ``tether train`` and ``tether config`` print at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel
+
+from tether.config.base import Secret
+from tether.config.run import RunConfig
+
+Mode = Literal["sync", "one_step_off_policy", "fully_async"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    seed: int
+    deterministic: bool
+    dtype: str  # model.dtype: the policy's weights (and the KV cache's) in memory
+    # -- sizes per trainer step (samples = trajectories)
+    group_size: int  # rollouts per task before reallocation (advantage.group_size)
+    prompts_per_step: int  # groups per step
+    samples_per_step: int  # learner.batch_size
+    mini_batch_size: int  # samples per optimizer update
+    micro_batch_size: int  # samples per forward/backward
+    optimizer_updates_per_step: int
+    max_groups_in_flight: int  # groups generated at once (rollout.worker.max_concurrent_tasks / group_size)
+    max_response_tokens: int  # the longest response an episode can produce: engine.max_tokens × assistant turns
+    # -- weights and staleness
+    sync_every: int  # trainer steps per weight sync (1 in sync mode: weights move every step)
+    max_staleness: int  # versions a trained token may lag the learner: 0 sync, min(1, s) one-step-off, s fully_async
+    groups_per_version: int  # groups started per parameter version (admission control): prompts × sync_every
+    groups_per_take: int  # groups the async trainer takes from the queue at once (ppo_mini_batch_size / group_size)
+    max_policy_lag: int | None  # the stale filter at consumption (None: off)
+    queue_size: int  # the MessageQueue's capacity, in groups
+    window_size: int | None  # windowed_fifo's window (None: plain fifo)
+    # -- evaluation
+    eval_tasks: int
+    # -- secrets: the key paths whose values are ``Secret`` (never logged, dumped or checkpointed)
+    secret_paths: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Plan:
+        ro, tr, lc = cfg.rollout, cfg.trainer, cfg.learner
+        g = cfg.policy_optimization.advantage.group_size
+        prompts = lc.batch_size // g
+        sync_every = 1 if ro.mode == "sync" else tr.trigger_parameter_sync_step
+        staleness = {"sync": 0, "one_step_off_policy": min(1, ro.scheduler.max_staleness),
+                     "fully_async": ro.scheduler.max_staleness}[ro.mode]
+        stale = cfg.buffer.stale_filter
+        return cls(
+            mode=ro.mode, seed=tr.seed, deterministic=tr.deterministic, dtype=cfg.model.dtype,
+            group_size=g, prompts_per_step=prompts, samples_per_step=lc.batch_size,
+            mini_batch_size=lc.mini_batch_size, micro_batch_size=lc.mini_batch_size // lc.gradient_accumulation_steps,
+            optimizer_updates_per_step=lc.batch_size // lc.mini_batch_size,
+            max_groups_in_flight=max(1, ro.worker.max_concurrent_tasks // g),
+            max_response_tokens=cfg.engine.max_tokens * cfg.agent_loop.max_assistant_turns,
+            sync_every=sync_every, max_staleness=staleness, groups_per_version=prompts * sync_every,
+            groups_per_take=max(1, tr.ppo_mini_batch_size // g),
+            max_policy_lag=stale.max_policy_lag if stale.enabled else None,
+            queue_size=cfg.message_queue.max_queue_size,
+            window_size=ro.scheduler.window_size if ro.scheduler.type == "windowed_fifo" else None,
+            eval_tasks=tr.eval_tasks or cfg.environment.num_eval_tasks,
+            secret_paths=tuple(secret_paths(cfg)),
+        )
+
+    def totals(self) -> dict[str, int]:
+        """The derived totals printed at start (never computed in shell)."""
+        return {"samples_per_step": self.samples_per_step, "prompts_per_step": self.prompts_per_step,
+                "group_size": self.group_size, "optimizer_updates_per_step": self.optimizer_updates_per_step,
+                "micro_batch_size": self.micro_batch_size, "eval_tasks": self.eval_tasks}
+
+
+def secret_paths(cfg: RunConfig) -> list[str]:
+    """The dotted key paths of the config's ``Secret`` values (set or not), e.g. ``llm_client.api_key``."""
+    out: list[str] = []
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        for name, info in type(model).model_fields.items():
+            value = getattr(model, name)
+            path = f"{prefix}{info.alias or name}"
+            if isinstance(value, Secret) or "Secret" in str(info.annotation):
+                out.append(path)
+            elif isinstance(value, BaseModel):
+                walk(value, path + ".")
+
+    walk(cfg, "")
+    return out
