@@ -77,3 +77,29 @@ def cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+def group_producer(cfg, rollouter, **kw):
+    """``GroupProducer`` with ``cfg``'s values, as ``Run.build`` hands them (tether.pipeline.build)."""
+    from tether.pipeline.shaping import GroupProducer
+
+    return GroupProducer(rollouter, cfg.policy_optimization, seed=cfg.trainer.seed, sync=cfg.rollout.mode == "sync",
+                         **kw)
+
+
+def rollout_allocator(cfg, **kw):
+    """``RolloutAllocator`` with ``cfg``'s values, as ``Run.build`` hands them."""
+    from tether.pipeline.shaping import RolloutAllocator
+
+    return RolloutAllocator(cfg.policy_optimization.rollout_allocation, cfg.policy_optimization.advantage.group_size,
+                            **kw)
+
+
+def batch_source(cfg, producer, batch_tasks, weights, **kw):
+    """``make_source`` with ``cfg``'s plan and sections, as ``Run.build`` hands them."""
+    from tether.config.plan import Plan
+    from tether.pipeline.modes import make_source
+
+    return make_source(Plan.of(cfg), producer, batch_tasks, weights, buffer=cfg.buffer,
+                       replay_buffer_size=cfg.rollout.partial_rollout.replay_buffer_size,
+                       normalization=cfg.policy_optimization.advantage.normalization, **kw)

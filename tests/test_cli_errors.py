@@ -152,10 +152,10 @@ def test_context_window_past_the_model_is_clamped_with_a_warning(tiny_model, con
     finally:
         rt.close()
     small = load_config(config, ["environment.state.context_window=1024"])
-    assert context_window(small, rt.model.config) == 1024
+    assert context_window(small.environment.state.context_window, small.engine.max_tokens, rt.model.config) == 1024
     with pytest.raises(ConfigError,
                        match=r"`engine.max_tokens` = 4096 does not fit .* max_position_embeddings is 4096"):
-        context_window(load_config(config, ["engine.max_tokens=4096"]), rt.model.config)
+        context_window(cfg.environment.state.context_window, 4096, rt.model.config)
 
 
 # -------------------------------------------------------------------------------------------- python -m

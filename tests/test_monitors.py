@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from conftest import SMALL_RUN, read_rows
 from tether.cli import app
 from tether.config import RunConfig
-from tether.pipeline.monitors import Monitors
+from tether.config.plan import Plan
+from tether.pipeline.monitors import Monitors, checks
 from tether.types import Group, Trajectory
 
 HEALTHY = {"agent/num_tool_calls": 2.5, "optim/entropy": 0.8, "optim/raw_reward_std_within_group": 0.3,
@@ -22,6 +23,12 @@ def cfg(**monitors) -> RunConfig:
     return RunConfig.model_validate({"monitors": monitors})
 
 
+def monitors_of(c: RunConfig) -> Monitors:
+    """The monitors with ``c``'s thresholds and its plan's staleness bound (as ``Run.build`` makes them)."""
+    return Monitors(c.monitors, checks(c.monitors, c.policy_optimization, parser=c.tool_parser.name,
+                                       max_staleness=Plan.of(c).max_staleness))
+
+
 def run_rows(monitors: Monitors, rows: list[dict], groups=()) -> list[tuple[int, str]]:
     """Feed ``rows`` as steps 1, 2, …; the (step, check) of every finding."""
     found = []
@@ -31,7 +38,7 @@ def run_rows(monitors: Monitors, rows: list[dict], groups=()) -> list[tuple[int,
 
 
 def test_a_healthy_run_is_silent():
-    assert run_rows(Monitors(cfg()), [{}] * 20) == []
+    assert run_rows(monitors_of(cfg()), [{}] * 20) == []
 
 
 @pytest.mark.parametrize("check, metric, bad", [
@@ -45,42 +52,61 @@ def test_a_healthy_run_is_silent():
 def test_a_check_fires_once_after_patience_steps_in_a_row(check, metric, bad):
     # ok, bad, bad, ok (streak broken), bad, bad, bad (3rd in a row: fires at step 7), bad (no second warning)
     rows = [{}] + [{metric: bad}] * 2 + [{}] + [{metric: bad}] * 4
-    assert run_rows(Monitors(cfg()), rows) == [(7, check)]
+    assert run_rows(monitors_of(cfg()), rows) == [(7, check)]
 
 
 def test_staleness_above_the_bound_fails_at_once():
     c = RunConfig.model_validate({"rollout": {"mode": "fully_async", "scheduler": {"max_staleness": 2}}})
-    assert run_rows(Monitors(c), [{"rollout/policy_version_lag_max": 2.0}] * 3
+    assert run_rows(monitors_of(c), [{"rollout/policy_version_lag_max": 2.0}] * 3
                     + [{"rollout/policy_version_lag_max": 3.0}]) == [(4, "shift/staleness")]
 
 
+@pytest.mark.slow
+def test_staleness_is_checked_against_the_bound_of_the_mode(tmp_path, tiny_model):
+    """one_step_off_policy holds the lag at min(1, max_staleness): the run's monitors (built by Run.build, as the
+    trainer uses them) fail at a lag of 2 although rollout.scheduler.max_staleness is 4; fully_async at 4 does not."""
+    from tether.config import load_config
+    from tether.pipeline.build import Run
+
+    base = tmp_path / "run.yaml"
+    base.write_text(SMALL_RUN)
+    found = {}
+    for mode in ("one_step_off_policy", "fully_async"):
+        c = load_config([base], [f"model.path={tiny_model}", f"rollout.mode={mode}",
+                                 "rollout.scheduler.max_staleness=4"])
+        with Run.build(c, tmp_path / mode, show_progress=False) as run:
+            found[mode] = run_rows(run.monitors, [{"rollout/policy_version_lag_max": 1.0},
+                                                  {"rollout/policy_version_lag_max": 2.0}])
+    assert found == {"one_step_off_policy": [(2, "shift/staleness")], "fully_async": []}
+
+
 def test_nan_kl_from_skipped_updates_is_not_a_kl_failure():
-    assert run_rows(Monitors(cfg()), [{"optim/kl_divergence": float("nan")}] * 5) == []
+    assert run_rows(monitors_of(cfg()), [{"optim/kl_divergence": float("nan")}] * 5) == []
 
 
 def test_reward_up_while_success_flat():
     # window 4: reward 0.2, 0.2 | 0.4, 0.4 → +0.2 ≥ reward_rise 0.1; success 0.5, 0.5 | 0.52, 0.52 → +0.02 < 0.2/4
     rows = [{"reward/mean": r, "rollout/success_rate": s}
             for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.52), (0.4, 0.52)]]
-    assert run_rows(Monitors(cfg(trend_window=4)), rows) == [(4, "hacking/reward_without_success")]
+    assert run_rows(monitors_of(cfg(trend_window=4)), rows) == [(4, "hacking/reward_without_success")]
     # the same rise with success rising by 0.1 (≥ 0.05): learning, not hacking
     learning = [{"reward/mean": r, "rollout/success_rate": s}
                 for r, s in [(0.2, 0.5), (0.2, 0.5), (0.4, 0.6), (0.4, 0.6)]]
-    assert run_rows(Monitors(cfg(trend_window=4)), learning) == []
+    assert run_rows(monitors_of(cfg(trend_window=4)), learning) == []
     # the rise of the first case while the flagged fraction falls 0.3 → 0.1: the penalties shrink, no alarm
     unlearning = [{**r, "monitor/hacking_flag_rate": f} for r, f in zip(rows, (0.3, 0.3, 0.1, 0.1))]
-    assert run_rows(Monitors(cfg(trend_window=4)), unlearning) == []
+    assert run_rows(monitors_of(cfg(trend_window=4)), unlearning) == []
 
 
 def test_a_rising_flag_rate_is_hacking_a_high_one_from_the_start_is_not():
     rising = [{"monitor/hacking_flag_rate": f} for f in (0.05, 0.05, 0.2, 0.2)]  # +0.15 ≥ hacking_rate_rise 0.1
-    assert run_rows(Monitors(cfg(trend_window=4)), rising) == [(4, "hacking/flags")]
+    assert run_rows(monitors_of(cfg(trend_window=4)), rising) == [(4, "hacking/flags")]
     high = [{"monitor/hacking_flag_rate": f} for f in (0.4, 0.4, 0.35, 0.3)]  # a warm-started policy's flags falling
-    assert run_rows(Monitors(cfg(trend_window=4)), high) == []
-    assert run_rows(Monitors(cfg(trend_window=4, hacking_rate_rise=0.2)), rising) == []  # the key flipped
+    assert run_rows(monitors_of(cfg(trend_window=4)), high) == []
+    assert run_rows(monitors_of(cfg(trend_window=4, hacking_rate_rise=0.2)), rising) == []  # the key flipped
     # the same rise while reward/mean falls 0.7 → 0.4 (the penalties at work on a policy that got worse): silent
     worse = [{**r, "reward/mean": m} for r, m in zip(rising, (0.7, 0.7, 0.4, 0.4))]
-    assert run_rows(Monitors(cfg(trend_window=4)), worse) == []
+    assert run_rows(monitors_of(cfg(trend_window=4)), worse) == []
 
 
 def traj(calls: list[str], flags: dict[str, int] | None = None) -> Trajectory:
@@ -93,12 +119,12 @@ def test_distinct_strategies_and_hacking_rate_are_measured_from_the_groups():
     same = Group("a", [traj(["query_inventory"]) for _ in range(4)])  # 1 strategy
     mixed = Group("b", [traj(["query_inventory"]), traj(["check_refund_policy"]),
                         traj(["query_inventory"], {"repeated_tool_calls": 1}), traj(["escalate_to_human"])])  # 3
-    m = Monitors(cfg(patience=1))
+    m = monitors_of(cfg(patience=1))
     found = [f.check for f in m.observe(1, HEALTHY, [same, mixed])]
     assert m.history[-1]["monitor/distinct_strategies"] == pytest.approx((1 + 3) / 2)  # 2.0 ≥ 1.25: holds
     assert m.history[-1]["monitor/hacking_flag_rate"] == pytest.approx(1 / 8)
     assert found == []
-    assert [f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, [same])] == ["exploration/strategies"]
+    assert [f.check for f in monitors_of(cfg(patience=1)).observe(1, HEALTHY, [same])] == ["exploration/strategies"]
 
 
 @pytest.mark.parametrize("key, value, rows, before, after", [
@@ -114,19 +140,19 @@ def test_distinct_strategies_and_hacking_rate_are_measured_from_the_groups():
 ])
 def test_every_threshold_key_flipped_changes_what_fires(key, value, rows, before, after):
     base = {"trend_window": 4}
-    assert [c for _, c in run_rows(Monitors(cfg(**base)), rows)] == before
-    assert [c for _, c in run_rows(Monitors(cfg(**{**base, key: value})), rows)] == after
+    assert [c for _, c in run_rows(monitors_of(cfg(**base)), rows)] == before
+    assert [c for _, c in run_rows(monitors_of(cfg(**{**base, key: value})), rows)] == after
 
 
 def test_min_distinct_strategies_flipped():
     one = [Group("a", [traj(["query_inventory"]), traj(["query_inventory"])])]
-    assert [f.check for f in Monitors(cfg(patience=1)).observe(1, HEALTHY, one)] == [
+    assert [f.check for f in monitors_of(cfg(patience=1)).observe(1, HEALTHY, one)] == [
         "exploration/strategies"]  # 1 strategy < 1.25
-    assert Monitors(cfg(patience=1, min_distinct_strategies=1.0)).observe(1, HEALTHY, one) == []
+    assert monitors_of(cfg(patience=1, min_distinct_strategies=1.0)).observe(1, HEALTHY, one) == []
 
 
 def test_the_message_names_the_measurement_the_diagnosis_and_the_remedy_keys():
-    m = Monitors(cfg(patience=1))
+    m = monitors_of(cfg(patience=1))
     (f,) = m.observe(7, {**HEALTHY, "optim/raw_reward_std_within_group": 0.01})
     assert "step 7" in f.message and "0.01" in f.message and "signal loss" in f.message
     assert "degenerate_group_filter.min_reward_std" in f.message and "resample_attempts" in f.message
@@ -209,7 +235,7 @@ def test_a_parser_that_never_parses_is_diagnosed_by_verify_env_and_the_monitors(
     finally:
         set_recorder(prev)
     assert row["agent/num_tool_calls"] == 0
-    m = Monitors(c)
+    m = monitors_of(c)
     found = [f for step in (1, 2, 3) for f in m.observe(step, {**HEALTHY, **row})]
     assert [(f.step, f.check) for f in found] == [(3, "signal/no_tool_calls")]
     assert "tool_parser.name (now pythonic)" in found[0].message

@@ -6,11 +6,10 @@ import asyncio
 
 import pytest
 
+from conftest import batch_source, group_producer, rollout_allocator
 from tether.config import RunConfig
 from tether.pipeline.shaping import (
-    GroupProducer,
     Produced,
-    RolloutAllocator,
     add_diversity_bonus,
     no_signal_warning,
     record_production_metrics,
@@ -56,7 +55,7 @@ def test_degenerate_groups_are_resampled_then_dropped(metrics):
     rollouter = ScriptedRollouter({"A": [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 1]],  # 2nd resample informative
                                    "B": [[0, 1, 0, 1]],
                                    "C": [[0.5] * 4, [1, 1, 1, 1], [0, 0, 0, 0]]})  # degenerate after 2: dropped
-    out = produce_all(GroupProducer(cfg(), rollouter), tasks, step=3)
+    out = produce_all(group_producer(cfg(), rollouter), tasks, step=3)
     assert [p.dropped for p in out] == [False, False, True]
     # the bonus is added to the kept attempt: three successes of one strategy share 0.05 → 1 + 0.05/3 each
     assert out[0].group.rewards == pytest.approx([1 + 0.05 / 3, 0, 1 + 0.05 / 3, 1 + 0.05 / 3])
@@ -76,9 +75,9 @@ def test_no_resample_attempts_drops_at_once_and_filter_off_keeps(metrics):
     script = {"A": [[0, 0.1, 0, 0.1]], "B": [[0, 1, 0, 1]]}
     tasks = [Task("A", "train", "refund"), Task("B", "train", "refund")]
     rollouter = ScriptedRollouter(script)
-    out = produce_all(GroupProducer(cfg(resample_attempts=0), rollouter), tasks, step=1)
+    out = produce_all(group_producer(cfg(resample_attempts=0), rollouter), tasks, step=1)
     assert [p.dropped for p in out] == [True, False] and len(rollouter.calls) == 2
-    off = produce_all(GroupProducer(cfg(enabled=False), ScriptedRollouter(script)), tasks, step=1)
+    off = produce_all(group_producer(cfg(enabled=False), ScriptedRollouter(script)), tasks, step=1)
     assert [p.dropped for p in off] == [False, False] and off[0].first_degenerate
 
 
@@ -88,7 +87,7 @@ def test_new_task_resamples_generate_the_replacement_tasks(metrics):
     others = {("A", 1): Task("X", "train", "refund"), ("A", 2): Task("Y", "train", "refund")}
     rollouter = ScriptedRollouter({"A": [[1, 1, 1, 1]], "B": [[0, 1, 0, 1]], "X": [[0, 0, 0, 0]], "Y": [[1, 0, 0, 1]]})
     replacement = lambda step, index, attempt: others[(tasks[index].id, attempt)]  # noqa: E731
-    out = produce_all(GroupProducer(cfg(), rollouter, replacement=replacement), tasks, step=2)
+    out = produce_all(group_producer(cfg(), rollouter, replacement=replacement), tasks, step=2)
     assert [p.group.task_id for p in out] == ["Y", "B"] and not any(p.dropped for p in out)
     assert sorted(c[0] for c in rollouter.calls) == ["A", "B", "X", "Y"]
     assert out[0].resampled == 2 and out[0].first_rewards == pytest.approx([1 + 0.05 / 4] * 4)  # A's, with its bonus
@@ -124,7 +123,7 @@ def test_resample_attempts_start_before_a_likely_degenerate_first_attempt_ends(m
         "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
     rollouter = StragglerRollouter({"A": [[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]],
                                     "B": [[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]})
-    producer = GroupProducer(sync, rollouter)
+    producer = group_producer(sync, rollouter)
     assert producer.concurrent_resamples
     out = produce_all(producer, [Task("A", "train", "refund"), Task("B", "train", "refund")], step=1)
     first_a = rollouter.log[0][1]
@@ -189,7 +188,7 @@ def test_adaptive_allocation_moves_budget_to_tasks_whose_outcomes_vary(metrics):
     c = RunConfig.model_validate({"policy_optimization": {
         "advantage": {"group_size": 8},
         "rollout_allocation": {"strategy": "adaptive", "max_rollouts_per_prompt": 32, "reallocation_interval": 2}}})
-    alloc = RolloutAllocator(c)
+    alloc = rollout_allocator(c)
     tasks = [Task(k, "train", "refund") for k in ("solved", "mixed", "failed", "new")]
     assert alloc.sizes(tasks) == [8, 8, 8, 8]  # nothing known yet: the base
     groups = [group("solved", [1] * 8), group("mixed", [1, 0] * 4), group("failed", [0] * 8)]
@@ -198,10 +197,10 @@ def test_adaptive_allocation_moves_budget_to_tasks_whose_outcomes_vary(metrics):
     alloc.observe([], step=2)
     # budget 32; "new" keeps the base 8; solved and failed (variance 0) get the minimum 2; mixed gets the rest, 20
     assert alloc.sizes(tasks) == [2, 20, 2, 8]
-    again = RolloutAllocator(c)
+    again = rollout_allocator(c)
     again.load_state_dict(alloc.state_dict())  # a resumed run allocates the same
     assert again.sizes(tasks) == [2, 20, 2, 8]
-    fixed = RolloutAllocator(RunConfig.model_validate({"policy_optimization": {
+    fixed = rollout_allocator(RunConfig.model_validate({"policy_optimization": {
         "rollout_allocation": {"strategy": "fixed"}}}))
     fixed.observe(groups, step=100)
     assert fixed.sizes(tasks) == [8, 8, 8, 8]
@@ -212,7 +211,7 @@ def test_unseen_tasks_take_their_kinds_statistics(metrics):
         "advantage": {"group_size": 8},
         "rollout_allocation": {"strategy": "adaptive", "max_rollouts_per_prompt": 32, "reallocation_interval": 1}}})
     kinds = {"r1": "refund", "r2": "refund", "i1": "inventory", "i2": "inventory", "e1": "escalate"}
-    alloc = RolloutAllocator(c, kinds=kinds)
+    alloc = rollout_allocator(c, kinds=kinds)
     alloc.observe([group("r1", [1, 0] * 4), group("i1", [1] * 8)], step=1)
     new = [Task(k, "train", kinds[k]) for k in ("r2", "i2", "e1")]
     # r2 is unseen but refunds vary (0.25): it gets the budget; i2's kind is always solved: the minimum 2;
@@ -221,7 +220,6 @@ def test_unseen_tasks_take_their_kinds_statistics(metrics):
 
 
 def test_a_group_whose_every_episode_failed_is_dropped_and_counted_not_fatal_in_sync(metrics):
-    from tether.pipeline.modes import make_source
     from tether.pipeline.rollouter import RolloutError
     from tether.pipeline.weights import WeightSync
 
@@ -232,10 +230,11 @@ def test_a_group_whose_every_episode_failed_is_dropped_and_counted_not_fatal_in_
             return Produced(group(task.id, [0, 1, 0, 1]), step, index)
 
     c = RunConfig.model_validate({"learner": {"batch_size": 8, "mini_batch_size": 8, "gradient_accumulation_steps": 1},
-                                  "policy_optimization": {"advantage": {"group_size": 4}}})
+                                  "policy_optimization": {"advantage": {"group_size": 4}},
+                                  "rollout": {"worker": {"max_concurrent_tasks": 8}}})
     tasks = [Task("bad", "train", "k"), Task("good", "train", "k")]
-    source = make_source(c, Failing(), lambda step: tasks, WeightSync(None, None, 1), start_step=0,
-                         sizes=lambda ts: [4] * len(ts), max_concurrent=8)
+    source = batch_source(c, Failing(), lambda step: tasks, WeightSync(None, None, 1), start_step=0,
+                          sizes=lambda ts: [4] * len(ts))
     batch = source.next_batch(1)
     assert [g.task_id for g in batch.groups] == ["good"] and [p.failed for p in batch.produced] == [True, False]
     assert metrics.flush(1)["rollout/failed_groups"] == 1

@@ -19,11 +19,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, SEEDS
+from conftest import REPO, SEEDS, batch_source, group_producer, rollout_allocator
 from tether.config import ConfigError, RunConfig, load_config
 from tether.learner import load_model_and_tokenizer
 from tether.learner.learner import Learner
-from tether.pipeline.shaping import GroupProducer
 from tether.pipeline.trainer import advantages
 from tether.types import Group, Task, Trajectory
 
@@ -184,7 +183,7 @@ class Scripted:
 
 def produce(overrides: dict, script: dict) -> list:
     cfg = RunConfig.model_validate(merge({"policy_optimization": {"advantage": {"group_size": 4}}}, overrides))
-    producer = GroupProducer(cfg, Scripted(script))
+    producer = group_producer(cfg, Scripted(script))
     tasks = [Task(k, "train", "refund") for k in script]
     return [asyncio.run(producer.produce(t, 4, 1, k)) for k, t in enumerate(tasks)]
 
@@ -224,12 +223,11 @@ def test_batch_size_and_group_size_change_what_a_step_trains(small_run):
 
 
 def test_max_rollouts_per_prompt_caps_the_adaptive_allocation():
-    from tether.pipeline.shaping import RolloutAllocator
 
     def sizes(cap: int) -> list[int]:
         cfg = RunConfig.model_validate({"policy_optimization": {"advantage": {"group_size": 8}, "rollout_allocation": {
             "strategy": "adaptive", "max_rollouts_per_prompt": cap, "reallocation_interval": 1}}})
-        alloc = RolloutAllocator(cfg)
+        alloc = rollout_allocator(cfg)
         alloc.observe([Group("mixed", [Trajectory("mixed", [1], reward=r) for r in [1, 0] * 4]),
                        Group("solved", [Trajectory("solved", [1], reward=1.0) for _ in range(8)])], step=1)
         return alloc.sizes([Task("mixed", "train", "k"), Task("solved", "train", "k")])
@@ -326,19 +324,18 @@ class _SlowProducer:
 
 
 def test_max_concurrent_tasks_bounds_the_groups_in_flight():
-    from tether.pipeline.modes import make_source
     from tether.pipeline.weights import WeightSync
 
     peaks = {}
     for cap in (4, 16):
         cfg = RunConfig.model_validate({"learner": {"batch_size": 32, "mini_batch_size": 32,
                                                     "gradient_accumulation_steps": 1},
-                                        "policy_optimization": {"advantage": {"group_size": 4}}})
+                                        "policy_optimization": {"advantage": {"group_size": 4}},
+                                        "rollout": {"worker": {"max_concurrent_tasks": cap}}})
         producer = _SlowProducer()
         tasks = [Task(f"t{i}", "train", "k") for i in range(8)]
-        source = make_source(cfg, producer, lambda step: tasks,  # noqa: B023 — used within this iteration
-                             WeightSync(None, None, 1), start_step=0,
-                             sizes=lambda ts: [4] * len(ts), max_concurrent=cap)
+        source = batch_source(cfg, producer, lambda step: tasks,  # noqa: B023 — used within this iteration
+                              WeightSync(None, None, 1), start_step=0, sizes=lambda ts: [4] * len(ts))
         source.next_batch(1)
         peaks[cap] = producer.peak
     assert peaks == {4: 1, 16: 4}  # trajectories in flight / group_size groups

@@ -242,11 +242,12 @@ class SlowScriptedRollouter:
 
 
 def test_resample_attempts_started_together_keep_the_serial_result(metrics):
-    from tether.pipeline.shaping import GroupProducer, record_production_metrics, step_seed
+    from conftest import group_producer
+    from tether.pipeline.shaping import record_production_metrics, step_seed
 
     cfg = RunConfig.model_validate({"policy_optimization": {"advantage": {
         "group_size": 4, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
-    probe = GroupProducer(cfg, SlowScriptedRollouter({}))
+    probe = group_producer(cfg, SlowScriptedRollouter({}))
     assert probe.concurrent_resamples  # sync mode, no judge, no teacher
 
     first, again = step_seed(cfg.trainer.seed, 1), probe._resample_seed
@@ -260,7 +261,7 @@ def test_resample_attempts_started_together_keep_the_serial_result(metrics):
     results = {}
     for concurrent in (False, True):
         rollouter = SlowScriptedRollouter(script(), slow=[again(1, 0, 2)])  # A's 2nd resample is still running
-        producer = GroupProducer(cfg, rollouter)
+        producer = group_producer(cfg, rollouter)
         producer.concurrent_resamples = concurrent
 
         async def run(producer=producer):

@@ -17,20 +17,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
-from tether.config import ConfigError, RunConfig
+from tether.config import ConfigError, EngineConfig, LLMClientConfig, PartialRolloutConfig, RunConfig
+from tether.config.plan import Plan
 from tether.engine.base import InferenceEngine, SamplingParams
+from tether.engine.local import LocalEngine
+from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
 from tether.env.plugin.registry import resolve as resolve_environment
+from tether.learner.model import ensure_tiny, load_model_and_tokenizer
+from tether.llm import LLMClient
 from tether.reward.loop import RewardLoop
 from tether.types import Task
-
-if TYPE_CHECKING:
-    from tether.engine.local import LocalEngine
-    from tether.engine.remote import RemoteEngine
+from tether.warmstart.tiny_sft import build_tiny_sft, cache_key
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,10 @@ def model_path(cfg: RunConfig) -> str:
     if cfg.model.path:
         return cfg.model.path
     if cfg.model.preset == "tiny-sft":
-        from tether.warmstart.tiny_sft import build_tiny_sft, cache_key
-
         return cached_build(cache_dir() / f"tiny-sft-{cache_key(cfg)}",
                             lambda tmp: build_tiny_sft(cfg, tmp, log=lambda m: say(f"[tiny-sft] {m}")),
                             what="tiny-sft", note=", a few minutes on 2 idle cores, longer on a busy machine: the tiny "
                                                   "model warm-started on the customer-service expert's demonstrations")
-    from tether.learner.model import ensure_tiny
-
     return ensure_tiny(cache_dir(), corpus=example_texts(400), seed=cfg.trainer.seed)
 
 
@@ -108,26 +106,26 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
     return (lambda: make(cfg)), tasks
 
 
-def sampling_params(cfg: RunConfig, *, greedy: bool = False) -> SamplingParams:
-    e = cfg.engine
+def sampling_params(e: EngineConfig, *, greedy: bool = False) -> SamplingParams:
+    """The engine section's sampling; ``greedy``: temperature 0 (held-out evaluation)."""
     params = SamplingParams(temperature=e.temperature, top_p=e.top_p, max_tokens=e.max_tokens)
     return replace(params, temperature=0.0, top_p=1.0) if greedy else params
 
 
-def context_window(cfg: RunConfig, model_config: Any, where: str = "the model") -> int:
+def context_window(window: int, max_tokens: int, model_config: Any, where: str = "the model") -> int:
     """The agent loop's token budget per sequence (prompt + response) for this model; checked at start.
 
     ``engine.max_tokens`` at or past the model's ``max_position_embeddings`` is refused (ConfigError): no turn
     could ever generate that many tokens after its prompt. ``environment.state.context_window`` past them is
     clamped to them with a warning, not refused: the default (32768) is meant as "as long as the model
     allows", and a window the model cannot hold would otherwise fail at the first prompt that outgrows it.
-    A model config without ``max_position_embeddings`` leaves the window as configured."""
-    window = cfg.environment.state.context_window
+    A model config without ``max_position_embeddings`` leaves the window as configured. ``window``:
+    ``environment.state.context_window``, ``max_tokens``: ``engine.max_tokens``."""
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int) or positions <= 0:
         return window
-    if cfg.engine.max_tokens >= positions:
-        raise ConfigError(f"`engine.max_tokens` = {cfg.engine.max_tokens} does not fit {where}: its "
+    if max_tokens >= positions:
+        raise ConfigError(f"`engine.max_tokens` = {max_tokens} does not fit {where}: its "
                           f"max_position_embeddings is {positions}, shared by a turn's prompt and its new tokens; "
                           f"set engine.max_tokens below {positions}")
     if window > positions:
@@ -141,35 +139,32 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
                window: int | None = None) -> AgentLoopBase:
     """The configured agent loop; ``window``: the context window checked against the model (``context_window``)."""
     return make_agent_loop(
-        cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg, greedy=greedy),
+        cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg.engine, greedy=greedy),
         limits=LoopLimits.from_config(cfg.agent_loop, window or cfg.environment.state.context_window),
         parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids),
     )
 
 
-def local_engine(cfg: RunConfig, model: Any, version: int = 0) -> LocalEngine:
+def local_engine(model: Any, plan: Plan, engine: EngineConfig, partial: PartialRolloutConfig,
+                 version: int = 0) -> LocalEngine:
     """The in-process engine over its own copy of the weights (the learner's copy keeps training), whatever
     ``engine.type`` says: ``tether serve`` and the trainer's own validation engine are local in every run."""
-    from tether.engine.local import LocalEngine
-
-    partial = cfg.rollout.partial_rollout
-    return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=cfg.engine.max_batch_size,
-                       seed=cfg.trainer.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
-                       deterministic=cfg.trainer.deterministic)
+    return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=engine.max_batch_size,
+                       seed=plan.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
+                       deterministic=plan.deterministic)
 
 
-def rollout_engine(cfg: RunConfig, model: Any, version: int = 0) -> LocalEngine | RemoteEngine:
+def rollout_engine(model: Any, plan: Plan, engine_cfg: EngineConfig, partial: PartialRolloutConfig,
+                   client: LLMClientConfig, version: int = 0) -> LocalEngine | RemoteEngine:
     """The engine ``engine.type`` names: ``local_engine``, or ``remote`` — the server of the ``llm_client`` section
     (``tether.engine.remote``), loaded with ``model``'s weights as ``version`` before the first rollout, so that
-    it samples from the policy the learner trains whatever checkpoint it was started with."""
-    if cfg.engine.type != "remote":
-        return local_engine(cfg, model, version)
-    from tether.engine.remote import RemoteEngine
-    from tether.llm import LLMClient
-
-    engine = RemoteEngine(LLMClient.from_config(cfg.llm_client), version=version,
+    it samples from the policy the learner trains whatever checkpoint it was started with. ``client``: the
+    ``llm_client`` section."""
+    if engine_cfg.type != "remote":
+        return local_engine(model, plan, engine_cfg, partial, version)
+    engine = RemoteEngine(LLMClient.from_config(client), version=version,
                           max_model_len=getattr(model.config, "max_position_embeddings", None),
-                          weight_sync_dir=cfg.engine.weight_sync_dir, model_config=model.config)
+                          weight_sync_dir=engine_cfg.weight_sync_dir, model_config=model.config)
     try:
         engine.update_weights(model.state_dict(), version)
     except BaseException:
@@ -192,13 +187,13 @@ class Runtime:
     @classmethod
     def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
         """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``."""
-        from tether.learner.model import load_model_and_tokenizer
-
         path = model_dir or model_path(cfg)
         model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
-        window = context_window(cfg, model.config, where=f"the model at {path}")  # before the engine starts
+        window = context_window(cfg.environment.state.context_window, cfg.engine.max_tokens, model.config,
+                                where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)
-        engine = engine if engine is not None else rollout_engine(cfg, model)
+        if engine is None:
+            engine = rollout_engine(model, Plan.of(cfg), cfg.engine, cfg.rollout.partial_rollout, cfg.llm_client)
         return cls(cfg, model, tokenizer, engine, make_env, tasks, window,
                    RewardLoop.from_config(cfg))
 

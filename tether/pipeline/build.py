@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from tether.config import RunConfig
+from tether.config.plan import Plan
 from tether.engine.local import LocalEngine
 from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from tether.learner.fsdp import run_learner, unsharded
@@ -29,13 +30,14 @@ from tether.learner.learner import Learner
 from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
+from tether.pipeline.monitors import Monitors, checks
 from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.streaming import overlaps
 from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
-from tether.runtime import Runtime, local_engine
+from tether.runtime import Runtime, agent_loop, local_engine
 from tether.teacher.scorer import make_teacher, score_trajectory
 from tether.types import Task
 
@@ -123,8 +125,9 @@ def config_changes(recorded: dict, new: dict, allowed: tuple[str, ...] = ()) -> 
             if old.get(k) != now.get(k) and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in ok)]
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, allow_config_change: tuple[str, ...]) -> Path | None:
-    """Validate the run directory before anything is written; returns the checkpoint to resume from."""
+def check_run_dir(config: dict, run_dir: Path, resume: bool, allow_config_change: tuple[str, ...]) -> Path | None:
+    """Validate the run directory before anything is written; returns the checkpoint to resume from. ``config``:
+    the run's config as it would be recorded (``RunConfig.redacted_dict``), compared with the recorded one."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
     if not resume:
@@ -139,7 +142,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, allow_config_chan
     if recorded.is_file():
         import yaml
 
-        changes = config_changes(yaml.safe_load(recorded.read_text()) or {}, cfg.redacted_dict(), allow_config_change)
+        changes = config_changes(yaml.safe_load(recorded.read_text()) or {}, config, allow_config_change)
         if changes:
             raise RunDirError(f"--resume with a config that changes the run ({'; '.join(changes)}); resume with the "
                               "recorded config, or list each key with --allow-config-change KEY")
@@ -160,40 +163,47 @@ class Evaluator:
     records which step's weights were evaluated.
     """
 
-    def __init__(self, cfg: RunConfig, rt: Runtime, learner: Learner, weights: WeightSync, remote: Any = None):
-        self.cfg, self.learner, self.weights = cfg, learner, weights
-        self.tasks = rt.tasks("eval")[: cfg.trainer.eval_tasks or None]
-        self.own_engine = cfg.trainer.use_trainer_do_validate and cfg.rollout.mode != "sync"
-        self.engine = local_engine(cfg, unsharded(learner.model)) if self.own_engine else rt.engine
-        loop = rt.loop(greedy=True) if not self.own_engine else _greedy_loop(rt, self.engine)
-        self.rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
-                                   rewards=rt.rewards)
-        if remote is not None and not self.own_engine:  # backend: ray — the rollout engine's actor evaluates
-            self.rollouter = remote
+    def __init__(self, tasks: list[Task], rollouter: Any, learner: Learner, weights: WeightSync, *, seed: int,
+                 engine: LocalEngine | None = None):
+        """``rollouter``: runs the greedy episodes; ``engine``: the evaluator's own engine (true above: loaded with
+        the learner's weights at each evaluation, and closed with the evaluator), None: the rollout engine's."""
+        self.tasks, self.rollouter, self.learner, self.weights, self.seed = tasks, rollouter, learner, weights, seed
+        self.engine = engine
 
     def __call__(self, step: int) -> tuple[dict[str, float], list]:
-        if self.own_engine:
+        if self.engine is not None:
             self.engine.update_weights(self.learner.state_dict_for_engine(), self.weights.version)
             weights_step = step
         else:
             weights_step = self.weights.version * self.weights.every if step else 0
-        metrics, trajs = asyncio.run(evaluate(self.rollouter, self.tasks, seed=self.cfg.trainer.seed))
+        metrics, trajs = asyncio.run(evaluate(self.rollouter, self.tasks, seed=self.seed))
         return {**metrics, "eval/weights_step": float(weights_step)}, trajs
 
     def close(self) -> None:
-        if self.own_engine:
+        if self.engine is not None:
             self.engine.close()
 
 
-def _greedy_loop(rt: Runtime, engine: Any) -> Any:
-    from tether.runtime import agent_loop
-
-    return agent_loop(rt.cfg, engine, rt.tokenizer, greedy=True, window=rt.window)
+def _evaluator(cfg: RunConfig, plan: Plan, rt: Runtime, learner: Learner, weights: WeightSync,
+               remote: Any = None) -> Evaluator:
+    """The evaluator ``trainer.use_trainer_do_validate`` asks for; ``remote``: the rollout engine's actor evaluates
+    (``backend: ray``) when the trainer does not validate its own weights."""
+    tasks = rt.tasks("eval")[: plan.eval_tasks]
+    if cfg.trainer.use_trainer_do_validate and plan.mode != "sync":
+        engine = local_engine(unsharded(learner.model), plan, cfg.engine, cfg.rollout.partial_rollout)
+        loop = agent_loop(cfg, engine, rt.tokenizer, greedy=True, window=rt.window)
+        rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
+                              rewards=rt.rewards)
+        return Evaluator(tasks, rollouter, learner, weights, seed=plan.seed, engine=engine)
+    rollouter = remote if remote is not None else Rollouter(
+        rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks, rewards=rt.rewards)
+    return Evaluator(tasks, rollouter, learner, weights, seed=plan.seed)
 
 
 @dataclass
 class Run:
     cfg: RunConfig
+    plan: Plan
     run_dir: Path
     rt: Runtime
     learner: Learner
@@ -204,6 +214,7 @@ class Run:
     evaluate: Evaluator
     recorder: MetricsRecorder
     progress: Progress
+    monitors: Monitors
     start: int = 0
     _closers: list[Callable[[], object]] = field(default_factory=list)
     engine_threads: Callable[[int], object] | None = None  # the local engine's torch threads (StepUpdate shares them)
@@ -213,7 +224,7 @@ class Run:
               show_progress: bool = True, allow_config_change: tuple[str, ...] = (),
               parts: RemoteParts | None = None) -> Run:
         run_dir = Path(run_dir)
-        ckpt = check_run_dir(cfg, run_dir, resume, allow_config_change)
+        ckpt = check_run_dir(cfg.redacted_dict(), run_dir, resume, allow_config_change)
         notes, resumed_from_start = [], False
         if ckpt is not None:  # before anything is written: a bad line must not cost the run's config
             numbered = re.fullmatch(r"step_(\d+)", ckpt.name)
@@ -230,7 +241,8 @@ class Run:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())  # secrets redacted by the dump
         for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
             shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
-        torch.manual_seed(cfg.trainer.seed)
+        plan, po = Plan.of(cfg), cfg.policy_optimization
+        torch.manual_seed(plan.seed)
         closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
         try:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
@@ -239,22 +251,21 @@ class Run:
             # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
             engine_threads = (rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlaps(cfg, learner)
                               else None)
-            derived = cfg.derived()
-            sampler = TaskSampler(rt.tasks("train"), derived["prompts_per_step"], cfg.trainer.seed)
-            allocator = RolloutAllocator(cfg, kinds={t.id: t.kind for t in sampler.tasks})
+            sampler = TaskSampler(rt.tasks("train"), plan.prompts_per_step, plan.seed)
+            allocator = RolloutAllocator(po.rollout_allocation, plan.group_size,
+                                         kinds={t.id: t.kind for t in sampler.tasks})
             start, extra = 0, {}
             if ckpt is not None:
                 extra = load_checkpoint(ckpt, learner)
                 start = int(extra["step"])
                 allocator.load_state_dict(extra["allocator"])
-            every = 1 if cfg.rollout.mode == "sync" else cfg.trainer.trigger_parameter_sync_step
-            weights = WeightSync(rt.engine, learner, every, start_step=start)
+            weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start)
             # DetachActorWorker keeps the pushed weights: π_prox for the steps until the next sync
             weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
             if ckpt is not None:
                 weights.push()
-            evaluator = Evaluator(cfg, rt, learner, weights,
-                                  remote=parts.rollouter(greedy=True) if parts is not None else None)
+            evaluator = _evaluator(cfg, plan, rt, learner, weights,
+                                   remote=parts.rollouter(greedy=True) if parts is not None else None)
             closers.append(evaluator.close)
             teacher = make_teacher(cfg, rt.tokenizer)  # the teacher loop, its tokenizer checked (None: no teacher)
             if teacher is not None:
@@ -276,13 +287,17 @@ class Run:
                 rollouter = parts.rollouter()
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
+            monitors = Monitors(cfg.monitors, checks(cfg.monitors, po, parser=cfg.tool_parser.name,
+                                                     max_staleness=plan.max_staleness))
             closers.append(recorder.close)
             prev = set_recorder(recorder)
             closers.append(lambda: set_recorder(prev))
-            new_task = cfg.policy_optimization.advantage.degenerate_group_filter.resample == "new_task"
-            producer = GroupProducer(cfg, rollouter, replacement=sampler.replacement if new_task else None)
-            source = make_source(cfg, producer, sampler.batch, weights, start_step=start,
-                                 sizes=allocator.sizes, max_concurrent=worker.max_concurrent_tasks,
+            new_task = po.advantage.degenerate_group_filter.resample == "new_task"
+            producer = GroupProducer(rollouter, po, seed=plan.seed, sync=plan.mode == "sync",
+                                     replacement=sampler.replacement if new_task else None)
+            source = make_source(plan, producer, sampler.batch, weights, start_step=start, sizes=allocator.sizes,
+                                 buffer=cfg.buffer, replay_buffer_size=cfg.rollout.partial_rollout.replay_buffer_size,
+                                 normalization=po.advantage.normalization,
                                  hacking_patterns=tuple(anti.detect_patterns if anti.enabled else ()),
                                  state=extra.get("source"), make_queue=parts.make_queue if parts is not None else None)
             closers.append(source.close)
@@ -292,11 +307,11 @@ class Run:
             for close in reversed(closers):
                 close()
             raise
-        run = cls(cfg, run_dir, rt, learner, sampler, allocator, weights, source, evaluator, recorder, progress,
-                  start, closers, engine_threads)
-        progress.note(f"{learner.describe()}; {derived['prompts_per_step']} tasks × "
-                      f"{derived['group_size']} rollouts per step; rollout.mode {cfg.rollout.mode}")
-        for warning in _config_warnings(cfg):
+        run = cls(cfg, plan, run_dir, rt, learner, sampler, allocator, weights, source, evaluator, recorder, progress,
+                  monitors, start, closers, engine_threads)
+        progress.note(f"{learner.describe()}; {plan.prompts_per_step} tasks × "
+                      f"{plan.group_size} rollouts per step; rollout.mode {plan.mode}")
+        for warning in cfg.warnings():
             progress.warn(warning)
         for note in notes:
             progress.warn(note)
@@ -338,7 +353,3 @@ class Run:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _config_warnings(cfg: RunConfig) -> list[str]:
-    warnings = getattr(cfg, "warnings", None)
-    return list(warnings()) if callable(warnings) else []

@@ -2,7 +2,7 @@
 
 - ``sync``: the groups of step s are produced when the trainer asks for them, with the current weights.
 - ``one_step_off_policy``: a background rollouter may run one parameter version ahead (batch s+1 is
-  generated while step s trains); the bound is ``min(1, rollout.scheduler.max_staleness)``.
+  generated while step s trains); the bound is ``min(1, rollout.scheduler.max_staleness)`` (``Plan.max_staleness``).
 - ``fully_async``: the background rollouter runs up to ``max_staleness`` versions ahead (admission
   control); finished groups wait in the MessageQueue (``message_queue.max_queue_size``, oldest dropped when
   full), are moved in ``windowed_fifo`` order into the replay buffer (``rollout.partial_rollout.
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tether.algo.advantages import Normalization
-from tether.config import RunConfig
+from tether.config import BufferConfig
+from tether.config.plan import Plan
 from tether.metrics import BusyClock, record_metric
 from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.faults import fault
 from tether.pipeline.ledger import Ledger
 from tether.pipeline.queue import MessageQueue, QueuedGroup
 from tether.pipeline.rollouter import RolloutError, record_rollout_metrics
-from tether.pipeline.scheduler import window_for
 from tether.pipeline.shaping import GroupProducer, Produced, record_production_metrics
 from tether.pipeline.staleness import AdmissionController, stale_filter, version_lag_stats
 from tether.pipeline.weights import WeightSync
@@ -135,27 +135,23 @@ class SyncSource:
 class AsyncSource:
     """A rollouter running in a background thread (its own event loop), feeding the MessageQueue."""
 
-    def __init__(self, cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
-                 sizes: Sizes, weights: WeightSync, ledger: Ledger, *, max_groups_in_flight: int,
-                 groups_per_step: int, start_step: int, max_staleness: int, hacking_patterns: tuple[str, ...] = (),
+    def __init__(self, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]], sizes: Sizes,
+                 weights: WeightSync, ledger: Ledger, buffer: ReplayBuffer, *, plan: Plan, start_step: int,
+                 hacking_patterns: tuple[str, ...] = (), normalization: Normalization = "group",
                  counters: dict[str, float] | None = None, make_queue: Callable[..., MessageQueue] = MessageQueue):
+        """``plan``: the sizes, the staleness bound of the mode and the queue's shape; ``buffer``: the replay buffer
+        between the queue and the trainer."""
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
-        self.ledger = ledger
-        self.max_groups_in_flight, self.groups_per_step = max_groups_in_flight, groups_per_step
-        group_size = cfg.policy_optimization.advantage.group_size
+        self.ledger, self.buffer = ledger, buffer
+        self.max_groups_in_flight, self.groups_per_step = plan.max_groups_in_flight, plan.prompts_per_step
         # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
-        self.groups_per_take = max(1, cfg.trainer.ppo_mini_batch_size // group_size)
+        self.groups_per_take = plan.groups_per_take
         self.hacking_patterns = hacking_patterns
-        self.normalization = cfg.policy_optimization.advantage.normalization
-        self.max_policy_lag = cfg.buffer.stale_filter.max_policy_lag if cfg.buffer.stale_filter.enabled else None
-        sched = cfg.rollout.scheduler
-        self.queue = make_queue(cfg.message_queue.max_queue_size, window_for(sched.type, sched.window_size))
-        buf = cfg.buffer
-        self.buffer = ReplayBuffer(cfg.rollout.partial_rollout.replay_buffer_size, buf.type, buf.freshness_weight,
-                                   buf.diversity_weight, version=weights.version)
+        self.normalization = normalization
+        self.max_policy_lag = plan.max_policy_lag
+        self.queue = make_queue(plan.queue_size, plan.window_size)
         # Admission counts groups per parameter version: one version is pushed every sync_every steps.
-        sync_every = cfg.trainer.trigger_parameter_sync_step
-        self.admission = AdmissionController(max_staleness, groups_per_step * sync_every,
+        self.admission = AdmissionController(plan.max_staleness, plan.groups_per_version,
                                              initial_version=weights.version)
         weights.subscribe(self.admission.on_version)
         weights.subscribe(self.buffer.on_version)
@@ -302,26 +298,21 @@ class AsyncSource:
         self._thread.join(timeout=30)
 
 
-def make_source(cfg: RunConfig, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
-                weights: WeightSync, *, start_step: int, sizes: Sizes, hacking_patterns: tuple[str, ...] = (),
-                max_concurrent: int, state: dict | None = None,
-                make_queue: Callable[..., MessageQueue] | None = None) -> BatchSource:
-    """The batch source of ``rollout.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``;
-    ``make_queue(max_size, window_size)`` makes the MessageQueue (another actor's under ``backend: ray``)."""
-    group_size = cfg.policy_optimization.advantage.group_size
-    in_flight = max(1, max_concurrent // group_size)  # groups in flight: rollout.worker.max_concurrent_tasks
-    groups_per_step = cfg.derived()["prompts_per_step"]
+def make_source(plan: Plan, producer: GroupProducer, batch_tasks: Callable[[int], list[Task]],
+                weights: WeightSync, *, start_step: int, sizes: Sizes, buffer: BufferConfig, replay_buffer_size: int,
+                normalization: Normalization = "group", hacking_patterns: tuple[str, ...] = (),
+                state: dict | None = None, make_queue: Callable[..., MessageQueue] | None = None) -> BatchSource:
+    """The batch source of ``plan.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``;
+    ``make_queue(max_size, window_size)`` makes the MessageQueue (another actor's under ``backend: ray``);
+    ``buffer`` and ``replay_buffer_size`` (``rollout.partial_rollout.replay_buffer_size``) shape the replay buffer
+    of the async modes."""
     state = state or {}
-    ledger = Ledger(groups_per_step, state.get("ledger") or ({"frontier": start_step, "beyond": {}}))
-    mode = cfg.rollout.mode
-    if mode == "sync":
-        return SyncSource(producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
-                          hacking_patterns=hacking_patterns,
-                          normalization=cfg.policy_optimization.advantage.normalization)
-    staleness = cfg.rollout.scheduler.max_staleness
-    if mode == "one_step_off_policy":
-        staleness = min(1, staleness)
-    return AsyncSource(cfg, producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=in_flight,
-                       groups_per_step=groups_per_step, start_step=start_step, max_staleness=staleness,
-                       hacking_patterns=hacking_patterns, counters=state.get("counters"),
-                       make_queue=make_queue or MessageQueue)
+    ledger = Ledger(plan.prompts_per_step, state.get("ledger") or ({"frontier": start_step, "beyond": {}}))
+    if plan.mode == "sync":
+        return SyncSource(producer, batch_tasks, sizes, weights, ledger, max_groups_in_flight=plan.max_groups_in_flight,
+                          hacking_patterns=hacking_patterns, normalization=normalization)
+    replay = ReplayBuffer(replay_buffer_size, buffer.type, buffer.freshness_weight, buffer.diversity_weight,
+                          version=weights.version)
+    return AsyncSource(producer, batch_tasks, sizes, weights, ledger, replay, plan=plan, start_step=start_step,
+                       hacking_patterns=hacking_patterns, normalization=normalization,
+                       counters=state.get("counters"), make_queue=make_queue or MessageQueue)

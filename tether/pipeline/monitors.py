@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tether.algo.diversity import strategy_signature
-from tether.config import RunConfig
+from tether.config import MonitorsConfig, PolicyOptimConfig
 from tether.metrics import record_metric
 from tether.types import Group
 
@@ -142,10 +142,10 @@ def _reward_without_success(window: int, rise: float) -> Callable[[Row, deque[Ro
     return fails
 
 
-def checks(cfg: RunConfig) -> list[Check]:
-    """The checks with ``cfg``'s thresholds."""
-    m = cfg.monitors
-    po = cfg.policy_optimization
+def checks(m: MonitorsConfig, po: PolicyOptimConfig, *, parser: str, max_staleness: int) -> list[Check]:
+    """The checks with ``monitors.*``'s thresholds; ``po``'s settings are quoted in the remedies, ``parser`` is
+    ``tool_parser.name``, ``max_staleness`` the run's staleness bound (``Plan.max_staleness``: in
+    ``one_step_off_policy`` it is min(1, rollout.scheduler.max_staleness), not the configured value)."""
     adv = po.advantage.degenerate_group_filter
     p = m.patience
     raise_signal = (f"raise policy_optimization.advantage.degenerate_group_filter.min_reward_std (now "
@@ -173,7 +173,7 @@ def checks(cfg: RunConfig) -> list[Check]:
         Check("signal/no_tool_calls", "{value:.3g} tool calls per trajectory",
               "signal loss: no tool call was parsed from the policy's text, so no episode can do the task — the "
               "model writes calls in a format the parser does not read, or generation stops before the call closes",
-              f"tool_parser.name (now {cfg.tool_parser.name}) must match the model's tool-call format, "
+              f"tool_parser.name (now {parser}) must match the model's tool-call format, "
               "tool_parser.stop_token_ids must not end a turn inside a call; check with `tether verify env CONFIG "
               "--policy`; an untrained model never calls a tool (warm-start it: model.preset: tiny-sft, tether sft)",
               lambda row, _: row["agent/num_tool_calls"] if row.get("agent/num_tool_calls", 1.0) == 0 else None, p),
@@ -186,14 +186,14 @@ def checks(cfg: RunConfig) -> list[Check]:
               f"monitors.max_degenerate_ratio {m.max_degenerate_ratio:g}",
               "signal loss: nearly every group has equal rewards, the step learns from the few others",
               raise_signal, _above("optim/degenerate_group_ratio_before_filter", m.max_degenerate_ratio), p),
-        Check("shift/staleness", "policy version lag {value:.0f} > rollout.scheduler.max_staleness "
-              f"{cfg.rollout.scheduler.max_staleness}",
+        Check("shift/staleness", "policy version lag {value:.0f} > the staleness bound "
+              f"{max_staleness} (rollout.scheduler.max_staleness; at most 1 in one_step_off_policy, 0 in sync)",
               "distribution shift: samples older than the staleness bound reached the learner; the rollouters and "
               "the learner run at mismatched speeds",
               "when tasks hit rollout.worker.task_timeout_s, tune rollout.partial_rollout.segment_length so long "
               "tasks are split; when the learner consumes too fast, lower learner.update_frequency or raise "
               "learner.batch_size",
-              _above("rollout/policy_version_lag_max", cfg.rollout.scheduler.max_staleness), 1),
+              _above("rollout/policy_version_lag_max", max_staleness), 1),
         Check("shift/kl", "KL {value:.3g} > policy_optimization.kl_control.max_kl " f"{po.kl_control.max_kl:g}",
               "distribution shift: each update moves the policy too far (long trajectories and stale samples mixed)",
               shift, _above("optim/kl_divergence", po.kl_control.max_kl), p),  # NaN (updates skipped) compares False
@@ -218,17 +218,16 @@ def checks(cfg: RunConfig) -> list[Check]:
 class Monitors:
     """``observe(step, row, groups)`` after each step's metrics are recorded, before its row is written."""
 
-    cfg: RunConfig
-    checks: list[Check] = field(init=False)
+    config: MonitorsConfig
+    checks: list[Check]
     history: deque[Row] = field(init=False)  # the last trend_window rows
 
     def __post_init__(self) -> None:
-        self.checks = checks(self.cfg)
-        self.history = deque(maxlen=self.cfg.monitors.trend_window)
+        self.history = deque(maxlen=self.config.trend_window)
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.monitors.enabled
+        return self.config.enabled
 
     def observe(self, step: int, row: Row, groups: Iterable[Group] = ()) -> list[Finding]:
         """Record the step's ``monitor/*`` metrics; returns the checks that start failing at this step (each
@@ -267,4 +266,4 @@ class Monitors:
 
     @property
     def stop(self) -> bool:
-        return self.enabled and self.cfg.monitors.on_fail == "stop"
+        return self.enabled and self.config.on_fail == "stop"

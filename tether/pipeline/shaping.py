@@ -53,7 +53,7 @@ from tether.algo.advantages import Normalization, group_advantages
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts
 from tether.algo.diversity import diversity_bonus, strategy_signature
 from tether.algo.filters import degenerate_groups, group_reward_std, resample_or_drop
-from tether.config import RunConfig
+from tether.config.policy import PolicyOptimConfig, RolloutAllocationConfig
 from tether.metrics import record_metric
 from tether.pipeline.rollouter import Rollouter, episode_seed
 from tether.types import Group, Task
@@ -99,13 +99,14 @@ class Produced:
 class GroupProducer:
     """Rollouts of one task → diversity bonus → degenerate-group resampling (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, rollouter: Rollouter,
+    def __init__(self, rollouter: Rollouter, po: PolicyOptimConfig, *, seed: int, sync: bool,
                  replacement: Callable[[int, int, int], Task] | None = None):
-        """``replacement(step, index, attempt)``: the task a resample attempt generates instead of the group's own
-        (``degenerate_group_filter.resample: new_task``); None: the group's own task again."""
+        """``po``: the diversity bonus and the degenerate-group filter; ``sync``: ``rollout.mode`` is sync (the
+        weights cannot change during a step); ``replacement(step, index, attempt)``: the task a resample attempt
+        generates instead of the group's own (``degenerate_group_filter.resample: new_task``); None: the group's
+        own task again."""
         self.replacement = replacement
-        po = cfg.policy_optimization
-        self.rollouter, self.seed = rollouter, cfg.trainer.seed
+        self.rollouter, self.seed = rollouter, seed
         bonus = po.exploration.diversity_bonus
         self.bonus_coef = bonus.coef if bonus.enabled else 0.0
         f = po.advantage.degenerate_group_filter
@@ -119,7 +120,7 @@ class GroupProducer:
         # not needed. (A rollouter that does not report episodes as they finish starts them all together once
         # the first attempt is degenerate.) Not with a judge or a teacher (an attempt not kept would still cost
         # their calls), nor in the async modes (an attempt takes the weights of the moment it starts).
-        self.concurrent_resamples = (cfg.rollout.mode == "sync" and self.attempts > 1
+        self.concurrent_resamples = (sync and self.attempts > 1
                                      and getattr(rollouter, "rewards", None) is None
                                      and getattr(rollouter, "score", None) is None)
 
@@ -256,10 +257,10 @@ class RolloutAllocator:
     kind gets the base count.
     """
 
-    def __init__(self, cfg: RunConfig, kinds: dict[str, str] | None = None):
-        ra = cfg.policy_optimization.rollout_allocation
+    def __init__(self, ra: RolloutAllocationConfig, group_size: int, kinds: dict[str, str] | None = None):
+        """``group_size``: what a task of unseen kind gets (``Plan.group_size``)."""
         self.adaptive = ra.strategy == "adaptive"
-        self.group_size = cfg.policy_optimization.advantage.group_size
+        self.group_size = group_size
         self.max, self.interval = ra.max_rollouts_per_prompt, ra.reallocation_interval
         self.kinds = kinds or {}  # task id -> kind
         self.window = TaskRewardWindow()

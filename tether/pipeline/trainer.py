@@ -25,7 +25,7 @@ from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.build import RemoteParts, Run
 from tether.pipeline.faults import fault
-from tether.pipeline.monitors import Monitors, MonitorStop
+from tether.pipeline.monitors import MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
 from tether.pipeline.streaming import StepUpdate
@@ -46,7 +46,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     """``parts``: the pieces in other actors under ``backend: ray`` (``tether.distributed``); None = this process."""
     run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress,
                     allow_config_change=allow_config_change, parts=parts)
-    tr, monitors = cfg.trainer, Monitors(cfg)
+    tr, monitors = cfg.trainer, run.monitors
     with run, PreemptionGuard() as stop:
         eval_before = run.eval(0) if run.start == 0 else {}
         if run.start == 0:
@@ -117,5 +117,5 @@ def step_metrics(run: Run, elapsed: float, engine_busy_before: float, wait_s: fl
     record_metric("perf/samples_per_s", trained / elapsed, "last")
     record_metric("rollout/trained_trajectories", trained, "last")
     record_metric("perf/trainer_idle_ratio", wait_s / elapsed, "last")
-    if run.cfg.rollout.mode == "sync":  # the rollouter idles while the trainer trains
+    if run.plan.mode == "sync":  # the rollouter idles while the trainer trains
         record_metric("perf/rollouter_idle_ratio", 1.0 - wait_s / elapsed, "last")

@@ -58,6 +58,7 @@ def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: s
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``)."""
+    from tether.config.plan import Plan
     from tether.learner.model import load_model_and_tokenizer
     from tether.runtime import local_engine
     from tether.serve.app import make_app
@@ -65,9 +66,8 @@ def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: s
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    if cfg.engine.type != "local":  # the server *is* the local engine, whatever the training config rolls out with
-        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"type": "local"})})
-    engine = local_engine(cfg, model)
+    # the server *is* the local engine, whatever engine.type the training config rolls out with
+    engine = local_engine(model, Plan.of(cfg), cfg.engine, cfg.rollout.partial_rollout)
     del model  # the engine has its own copy
     app = make_app(engine, tokenizer, model_name=model_name, parser=cfg.tool_parser.name,
                    extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key)

@@ -28,6 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from tether.config import ConfigError
+from tether.learner.model import load_model_and_tokenizer
+from tether.llm import LLMClient
+from tether.teacher.tokenizer import check_local, check_remote
 from tether.types import TeacherScores, Trajectory
 
 
@@ -230,15 +233,9 @@ def make_teacher(cfg: Any, student_tokenizer: Any) -> LocalTeacher | RemoteTeach
                           "generate equal-reward groups again and drop them; set it to false")
     top_k = tc.top_k if tc.loss == "topk_forward_kl" else 0
     if tc.path is not None:
-        from tether.learner.model import load_model_and_tokenizer
-        from tether.teacher.tokenizer import check_local
-
         model, tokenizer = load_model_and_tokenizer(tc.path, cfg.model.dtype)
         check_local(student_tokenizer, tokenizer, where=tc.path)
         return LocalTeacher(model, top_k=top_k, deterministic=cfg.trainer.deterministic)
-    from tether.llm import LLMClient
-    from tether.teacher.tokenizer import check_remote
-
     client = LLMClient.from_config(tc.remote, key_path="teacher.remote.api_key")
 
     async def check() -> None:

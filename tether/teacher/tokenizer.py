@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tether.config import ConfigError
+from tether.llm import BadRequest
 
 _PROBE_MESSAGES = [
     {"role": "system", "content": "You are a support agent. Tools: get_order_status."},
@@ -60,8 +61,6 @@ def probe_text(student: Any) -> str:
 
 async def check_remote(client: Any, student: Any) -> None:
     """Probe the teacher server's tokenizer (module docstring); ConfigError naming the first difference."""
-    from tether.llm import BadRequest
-
     where = f"`teacher.remote` ({client.base_url}, model {client.model!r})"
     text = probe_text(student)
     mine = list(student.encode(text, add_special_tokens=False))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tether.config import RunConfig
+from tether.config.plan import Plan
 from tether.verify.criteria import Criterion, Report, Rows, VerifyInputError, read_rows
 from tether.verify.optim import run_config
 
@@ -26,19 +26,18 @@ MAX_IDLE = 0.95
 ACCOUNTING = ("queue/total_consumed", "queue/dropped_samples", "queue/stale_samples", "queue/queued_samples")
 
 
-def check_mode(cfg: RunConfig) -> None:
-    if cfg.rollout.mode == "sync":
+def check_mode(mode: str) -> None:
+    """``rollout.mode`` must be an async one."""
+    if mode == "sync":
         raise VerifyInputError("verify async checks an async pipeline, and rollout.mode is sync (the rollouter and "
                                "the trainer take turns; nothing here could fail): give a config with rollout.mode "
                                "fully_async or one_step_off_policy, or add --set rollout.mode=fully_async")
 
 
-def check_rows(rows: Rows, cfg: RunConfig) -> Report:
-    """The report of ``rows`` (step → metrics row) against the async pipeline's promises under ``cfg``."""
-    sched = cfg.rollout.scheduler
-    bound = min(1, sched.max_staleness) if cfg.rollout.mode == "one_step_off_policy" else sched.max_staleness
-    every = cfg.trainer.trigger_parameter_sync_step
-    filt = cfg.policy_optimization.advantage.degenerate_group_filter
+def check_rows(rows: Rows, plan: Plan, *, degenerate_filter: bool) -> Report:
+    """The report of ``rows`` (step → metrics row) against the async pipeline's promises under the run's ``plan``;
+    ``degenerate_filter``: ``degenerate_group_filter.enabled``."""
+    bound, every = plan.max_staleness, plan.sync_every
 
     lag = Criterion(
         f"rollout/policy_version_lag_max ≤ max_staleness = {bound}", lambda v: v <= bound,
@@ -55,7 +54,7 @@ def check_rows(rows: Rows, cfg: RunConfig) -> Report:
                   "on: a group got past the producer's filter (a bug; the step trains on zero advantages)",
         remedy="policy_optimization.advantage.degenerate_group_filter.min_reward_std must equal the threshold the "
                "advantages count with; report the run's metrics.jsonl")
-    if filt.enabled:
+    if degenerate_filter:
         degenerate.fill(rows, "optim/degenerate_group_ratio")
         if not degenerate.values:
             degenerate.note = "no group was trained (every group dropped as degenerate)"
@@ -98,7 +97,7 @@ def check_rows(rows: Rows, cfg: RunConfig) -> Report:
     rollouter_idle.fill(rows, "perf/rollouter_idle_ratio")
 
     steps = sorted(rows)
-    title = f"verify async ({cfg.rollout.mode}): steps {steps[0]}–{steps[-1]}"
+    title = f"verify async ({plan.mode}): steps {steps[0]}–{steps[-1]}"
     return Report(title, [lag, degenerate, accounting, version, trainer_idle, rollouter_idle])
 
 
@@ -107,5 +106,6 @@ def verify_run(run_dir: Path, steps: int | None = None) -> Report:
     if not run_dir.is_dir():
         raise VerifyInputError(f"{run_dir} is not a directory")
     cfg = run_config(run_dir)
-    check_mode(cfg)
-    return check_rows(read_rows(run_dir, steps), cfg)
+    check_mode(cfg.rollout.mode)
+    return check_rows(read_rows(run_dir, steps), Plan.of(cfg),
+                      degenerate_filter=cfg.policy_optimization.advantage.degenerate_group_filter.enabled)

@@ -110,7 +110,7 @@ def async_(
 
     if not (len(paths) == 1 and paths[0].is_dir()):
         try:
-            check_mode(load_or_exit(paths, set_))
+            check_mode(load_or_exit(paths, set_).rollout.mode)
         except VerifyInputError as e:
             raise fail(str(e)) from None
     _verify(paths, set_, steps, verify_run)

@@ -134,7 +134,7 @@ def check_consistency(checkpoint: str | Path, cfg: RunConfig, *, num_tasks: int 
         train = asyncio.run(_training_path(rt, loop, tasks))
     finally:
         rt.close()
-    greedy = sampling_params(cfg, greedy=True)
+    greedy = sampling_params(cfg.engine, greedy=True)
     request = {"temperature": greedy.temperature, "top_p": greedy.top_p, "max_tokens": greedy.max_tokens,
                **(deploy_sampling or {})}
     app, engine = build(checkpoint, cfg, model_name="policy", api_key=None, chat_template=chat_template)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tether.config import ConfigError, RunConfig, load_config
+from tether.config import ConfigError, KLControlConfig, RunConfig, load_config
 from tether.verify.criteria import Criterion, Report, Rows, VerifyInputError, read_rows
 
 MIN_REWARD_STD = 0.1
@@ -28,9 +28,8 @@ GRAD_NORM_RANGE = (0.1, 10.0)
 SIGNAL_TOLERANCE = 0.25  # the fraction of steps whose raw reward std may be at most MIN_REWARD_STD
 
 
-def criteria(cfg: RunConfig) -> list[Criterion]:
-    """The three criteria, with the thresholds of ``cfg`` (values not filled)."""
-    kl = cfg.policy_optimization.kl_control
+def criteria(kl: KLControlConfig) -> list[Criterion]:
+    """The three criteria, with the run's KL bound (``policy_optimization.kl_control``; values not filled)."""
     lo, hi = GRAD_NORM_RANGE
     signal = Criterion(
         f"optim/raw_reward_std_within_group > {MIN_REWARD_STD} (on ≥ {1 - SIGNAL_TOLERANCE:.0%} of steps)",
@@ -63,15 +62,15 @@ def criteria(cfg: RunConfig) -> list[Criterion]:
     return [signal, grad, kl_c]
 
 
-def check_rows(rows: Rows, cfg: RunConfig) -> Report:
-    """The report of ``rows`` (step → metrics row) against the criteria of ``cfg``."""
-    signal, grad, kl = criteria(cfg)
+def check_rows(rows: Rows, kl_control: KLControlConfig) -> Report:
+    """The report of ``rows`` (step → metrics row) against the criteria, with the run's ``kl_control``."""
+    signal, grad, kl = criteria(kl_control)
     signal.fill(rows, "optim/raw_reward_std_within_group")
     if not signal.values:
         signal.note = ("no row has optim/raw_reward_std_within_group (a run from before it was recorded; "
                        "optim/advantage_std cannot fail, see `tether verify optim --help`)")
     grad.fill(rows, "optim/grad_norm")
-    if cfg.policy_optimization.kl_control.type != "none":
+    if kl_control.type != "none":
         kl.fill(rows, "optim/kl_divergence")
     notes = []
     means = {k: _mean(rows, k) for k in ("optim/advantage_std", "optim/advantage_std_before_filter",
@@ -104,4 +103,4 @@ def verify_run(run_dir: Path, steps: int | None = None) -> Report:
     """``verify optim RUN_DIR``: the first ``steps`` training steps of the run (all when None)."""
     if not run_dir.is_dir():
         raise VerifyInputError(f"{run_dir} is not a directory")
-    return check_rows(read_rows(run_dir, steps), run_config(run_dir))
+    return check_rows(read_rows(run_dir, steps), run_config(run_dir).policy_optimization.kl_control)
