@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tether.config.actor import actor_inert
 from tether.config.cluster import cluster_inert
+from tether.config.plan import max_env_steps
 from tether.config.reward import reward_inert
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def inert_values(cfg: RunConfig) -> list[str]:
     out += actor_inert(cfg)
     out += reward_inert(cfg)
     out += cluster_inert(cfg)
-    reachable = max_env_steps(cfg)
+    reachable = max_env_steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls)
     if cfg.environment.state.max_turns > reachable:
         al = cfg.agent_loop
         out.append(f"environment.state.max_turns = {cfg.environment.state.max_turns} is never reached: the agent "
@@ -120,17 +121,6 @@ def horizon_for(batch_size: int, steps: int, move: float = KL_MIN_MOVE) -> int:
     """The largest horizon (trajectories) at which β can still change by ``move`` over ``steps`` steps."""
     per_step = (1.0 + move) ** (1.0 / steps) - 1.0
     return max(1, math.floor(KL_MAX_ERROR * batch_size / per_step))
-
-
-def max_env_steps(cfg: RunConfig) -> int:
-    """The most environment steps an episode can take under the agent loop's limits.
-
-    ``environment.state.max_turns`` counts environment steps (one per tool call, ``respond_to_user``
-    included); the agent loop runs at most ``max_parallel_calls`` calls per assistant turn and ends the
-    episode after ``max_assistant_turns`` turns (``max_user_turns`` bounds only the ``respond_to_user`` steps)."""
-    from tether.env.termination import max_env_steps as steps  # noqa: PLC0415 — env is a layer above config
-
-    return steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls)
 
 
 def _explicit(cfg: RunConfig) -> set[str]:

@@ -12,12 +12,14 @@ bound of ``one_step_off_policy`` (the monitor once checked the configured 4 whil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
 from tether.config.base import Secret
-from tether.config.run import RunConfig
+
+if TYPE_CHECKING:  # the plan is derived from a RunConfig; run.py's checks use the plan's pieces (max_env_steps)
+    from tether.config.run import RunConfig
 
 Mode = Literal["sync", "one_step_off_policy", "fully_async"]
 
@@ -37,6 +39,7 @@ class Plan:
     optimizer_updates_per_step: int
     max_groups_in_flight: int  # groups generated at once (rollout.worker.max_concurrent_tasks / group_size)
     max_response_tokens: int  # the longest response an episode can produce: engine.max_tokens × assistant turns
+    max_env_steps: int  # the most environment steps an episode can take under the agent loop's limits
     # -- weights and staleness
     sync_every: int  # trainer steps per weight sync (1 in sync mode: weights move every step)
     max_staleness: int  # versions a trained token may lag the learner: 0 sync, min(1, s) one-step-off, s fully_async
@@ -66,6 +69,7 @@ class Plan:
             optimizer_updates_per_step=lc.batch_size // lc.mini_batch_size,
             max_groups_in_flight=max(1, ro.worker.max_concurrent_tasks // g),
             max_response_tokens=cfg.engine.max_tokens * cfg.agent_loop.max_assistant_turns,
+            max_env_steps=max_env_steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls),
             sync_every=sync_every, max_staleness=staleness, groups_per_version=prompts * sync_every,
             groups_per_take=max(1, tr.ppo_mini_batch_size // g),
             max_policy_lag=stale.max_policy_lag if stale.enabled else None,
@@ -80,6 +84,14 @@ class Plan:
         return {"samples_per_step": self.samples_per_step, "prompts_per_step": self.prompts_per_step,
                 "group_size": self.group_size, "optimizer_updates_per_step": self.optimizer_updates_per_step,
                 "micro_batch_size": self.micro_batch_size, "eval_tasks": self.eval_tasks}
+
+
+def max_env_steps(max_assistant_turns: int, max_parallel_calls: int) -> int:
+    """The most environment steps the ``tool_agent`` loop can take in one episode: ``environment.state.max_turns``
+    counts environment steps (one per tool call, ``respond_to_user`` included); the loop runs at most
+    ``max_parallel_calls`` calls per assistant turn and ends the episode after ``max_assistant_turns`` turns
+    (``max_user_turns`` bounds only the ``respond_to_user`` steps)."""
+    return max_assistant_turns * max_parallel_calls
 
 
 def secret_paths(cfg: RunConfig) -> list[str]:

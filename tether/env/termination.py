@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from tether.config.plan import max_env_steps
+
 RESOLVED = "user_issue_resolved"
 ESCALATED = "escalated"
 TOOL_ERRORS = "tool_errors"
@@ -80,11 +82,6 @@ class TerminationRule:
     def external(reason: str) -> Ending:
         """An ending the agent loop decided (e.g. ``max_assistant_turns``, ``no_action``)."""
         return Ending(reason, truncated=reason in CUT_REASONS)
-
-
-def max_env_steps(max_assistant_turns: int, max_parallel_calls: int) -> int:
-    """The most environment steps the ``tool_agent`` loop can take in one episode."""
-    return max_assistant_turns * max_parallel_calls
 
 
 def max_turns_reachable(cfg: Any) -> bool:
