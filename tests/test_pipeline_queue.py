@@ -1,4 +1,3 @@
-import asyncio
 import random
 import threading
 import time
@@ -18,6 +17,11 @@ def qg(seq: int, n_traj: int = 1, version: int = 0) -> QueuedGroup:
     return QueuedGroup(group(n_traj, version, f"task{seq}"), seq, version)
 
 
+def oldest_unconsumed(q: MessageQueue) -> int:
+    """The start of the queue's window: the oldest start position neither taken, dropped nor abandoned."""
+    return q._order.oldest_unconsumed
+
+
 def test_drop_oldest_at_capacity_by_hand():
     q = MessageQueue(max_size=2)
     q.put(qg(0, 2))
@@ -26,7 +30,7 @@ def test_drop_oldest_at_capacity_by_hand():
     q.put(qg(2, 1))  # full: seq 0 (2 trajectories) goes
     assert (len(q), q.queued_samples, q.dropped_samples, q.dropped_groups) == (2, 4, 2, 1)
     assert q.total_produced == 6
-    assert [g.seq for g in q.get_batch_nowait(2)] == [1, 2]
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [1, 2]
     assert q.total_consumed == 4
     q.check_accounting()  # 6 = 4 consumed + 2 dropped + 0 stale + 0 queued
     assert q.metrics() == {"queue/total_produced": 6.0, "queue/total_consumed": 4.0, "queue/dropped_samples": 2.0,
@@ -38,15 +42,15 @@ def test_a_straggler_older_than_everything_queued_is_the_one_dropped():
     q.put(qg(5))
     q.put(qg(6))
     q.put(qg(3, 4))  # oldest start → dropped on arrival; its position is retired
-    assert sorted(g.seq for g in [q.get_nowait(), q.get_nowait()]) == [5, 6]
-    assert q.dropped_samples == 4 and q.oldest_unconsumed_seq == 0  # 0, 1, 2, 4 never came
+    assert sorted(g.seq for g in q.get_batch(2, timeout=0)) == [5, 6]
+    assert q.dropped_samples == 4 and oldest_unconsumed(q) == 0  # 0, 1, 2, 4 never came
 
 
 def test_bare_groups_are_numbered_in_arrival_order():
     q = MessageQueue(max_size=2)
     for v in (3, 4, 5):
         q.put(group(1, v))
-    got = q.get_batch_nowait(2)
+    got = q.get_batch(2, timeout=0)
     assert [(g.seq, g.start_version) for g in got] == [(1, 4), (2, 5)]  # seq 0 dropped
     with pytest.raises(ValueError, match="both"):
         q.put(qg(7))
@@ -64,16 +68,16 @@ def test_windowed_get_batch_waits_for_the_straggler():
     t = time.monotonic()
     assert [g.seq for g in q.get_batch(2, timeout=5)] == [3, 7]
     assert time.monotonic() - t < 2
-    assert [g.seq for g in q.get_batch_nowait(2)] == [8, 9]
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [8, 9]
 
 
 def test_abandon_moves_the_window():
     q = MessageQueue(max_size=8, window_size=2)
     q.put(qg(1))
     q.put(qg(2))
-    assert q.get_batch_nowait(2) is None  # window [0, 2) holds only 1
+    assert q.get_batch(2, timeout=0) is None  # window [0, 2) holds only 1
     q.abandon(0)  # episode 0 failed: window [1, 3)
-    assert [g.seq for g in q.get_batch_nowait(2)] == [1, 2]
+    assert [g.seq for g in q.get_batch(2, timeout=0)] == [1, 2]
     with pytest.raises(ValueError, match="twice"):
         q.put(qg(1))
 
@@ -91,24 +95,20 @@ def test_close_wakes_a_waiter_and_bad_batch_size():
         q.get_batch(5)
 
 
-def test_async_consumer_is_woken_by_a_producer_thread():
+def test_a_waiting_consumer_is_woken_by_a_producer_thread():
     q = MessageQueue(max_size=4)
-
-    async def main():
-        threading.Timer(0.05, lambda: [q.put(qg(0)), q.put(qg(1))]).start()
-        got = await asyncio.wait_for(q.get_batch_async(2, timeout=5), 5)
-        timed_out = await q.get_batch_async(1, timeout=0.05)
-        return got, timed_out
-
-    got, timed_out = asyncio.run(main())
-    assert [g.seq for g in got] == [0, 1] and timed_out is None
+    threading.Timer(0.05, lambda: [q.put(qg(0)), q.put(qg(1))]).start()
+    t = time.monotonic()
+    got = q.get_batch(2, timeout=5)
+    assert [g.seq for g in got] == [0, 1] and time.monotonic() - t < 2
+    assert q.get_batch(1, timeout=0.05) is None
 
 
 def test_report_stale_and_broken_accounting():
     q = MessageQueue(max_size=4)
     q.put(qg(0, 2, version=0))
     q.put(qg(1, 3, version=2))
-    batch = q.get_batch_nowait(2)
+    batch = q.get_batch(2, timeout=0)
     kept, dropped = stale_filter(batch, current_version=3, max_policy_lag=1)  # lags 3 and 1
     assert [g.seq for g in kept] == [1] and [g.seq for g in dropped] == [0]
     q.report_stale(dropped)
@@ -158,10 +158,10 @@ def test_accounting_invariant_under_4_producers_and_1_consumer(window):
                 q.check_accounting()
             except AssertionError as e:
                 violations.append(str(e))
-        rest = q.get_batch_nowait(1)
+        rest = q.get_batch(1, timeout=0)
         while rest:
             seen.extend(g.seq for g in rest)
-            rest = q.get_batch_nowait(1)
+            rest = q.get_batch(1, timeout=0)
 
     consumer = threading.Thread(target=consume)
     consumer.start()
@@ -177,4 +177,4 @@ def test_accounting_invariant_under_4_producers_and_1_consumer(window):
     assert len(seen) == len(set(seen))  # nothing served twice
     assert q.total_produced == q.total_consumed + q.dropped_samples + q.stale_samples
     assert q.dropped_groups > 0 and q.stale_samples > 0  # both paths exercised
-    assert q.oldest_unconsumed_seq == 4 * per_producer  # every start position retired exactly once
+    assert oldest_unconsumed(q) == 4 * per_producer  # every start position retired exactly once

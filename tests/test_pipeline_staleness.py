@@ -38,13 +38,13 @@ def test_admission_counts_per_version(eta, per_version):
     for v in range(3):
         adm.on_version(v)
         got.append(starts_allowed(adm))
-        assert not adm.may_start() and adm.capacity == 0
+        assert adm.capacity == 0
     assert got == per_version and adm.started == sum(per_version)
 
 
 def test_seq_numbers_release_and_close():
     adm = AdmissionController(max_staleness=0, groups_per_step=2)
-    assert adm.may_start() and adm.capacity == 2
+    assert adm.capacity == 2
     assert [adm.try_start(), adm.try_start(), adm.try_start()] == [0, 1, None]
     adm.release()  # seq 1 failed: its slot comes back, under a new position
     assert adm.try_start() == 2 and adm.try_start() is None
@@ -54,7 +54,7 @@ def test_seq_numbers_release_and_close():
         adm.release(5)
     adm.close()
     adm.on_version(3)
-    assert adm.try_start() is None and not adm.may_start()
+    assert adm.try_start() is None and adm.capacity == 0
 
 
 def test_resumed_controller_counts_from_its_initial_version():
@@ -62,16 +62,21 @@ def test_resumed_controller_counts_from_its_initial_version():
     assert starts_allowed(adm) == 6  # (7 - 7 + 1 + 1) · 3
 
 
+def wait_to_start(adm: AdmissionController, timeout: float) -> int | None:
+    """``wait_to_start_async`` from a plain thread (its own event loop, as a rollout worker's)."""
+    return asyncio.run(adm.wait_to_start_async(timeout=timeout))
+
+
 def test_wait_to_start_blocks_until_the_next_version():
     adm = AdmissionController(max_staleness=0, groups_per_step=1)
-    assert adm.wait_to_start(timeout=0) == 0
-    assert adm.wait_to_start(timeout=0.05) is None
+    assert wait_to_start(adm, timeout=0) == 0
+    assert wait_to_start(adm, timeout=0.05) is None
     threading.Timer(0.05, adm.on_version, args=(1,)).start()
     t = time.monotonic()
-    assert adm.wait_to_start(timeout=5) == 1
+    assert wait_to_start(adm, timeout=5) == 1
     assert time.monotonic() - t < 2
     threading.Timer(0.05, adm.close).start()
-    assert adm.wait_to_start(timeout=5) is None
+    assert wait_to_start(adm, timeout=5) is None
 
 
 def test_wait_to_start_async_does_not_block_the_loop():
@@ -105,7 +110,7 @@ def simulate(eta: int, B: int, steps: int) -> list[tuple[list[int], list[int]]]:
     for v in range(steps):
         while (seq := adm.try_start()) is not None:
             q.put(QueuedGroup(Group(f"t{seq}", [traj([v, v])]), seq, v))
-        batch = q.get_batch_nowait(B)
+        batch = q.get_batch(B, timeout=0)
         out.append(([g.seq for g in batch], [policy_lag(g.group, v) for g in batch]))
         adm.on_version(v + 1)
     return out
@@ -124,7 +129,7 @@ def test_staleness_0_with_real_threads_reproduces_sync():
     adm, q = AdmissionController(max_staleness=0, groups_per_step=B), MessageQueue(max_size=8)
 
     def rollout_worker():
-        while (seq := adm.wait_to_start(timeout=5)) is not None:
+        while (seq := wait_to_start(adm, timeout=5)) is not None:
             v = adm.version
             q.put(QueuedGroup(Group(f"t{seq}", [traj([v, v, -1], [1, 1, 0])]), seq, v))
 

@@ -136,10 +136,6 @@ class SlotTable:
         self._ghost: dict[int, tuple[list[int], int]] = {}  # free slot -> (tokens its memory holds, their epoch)
         self._shared: int | None = None  # shared_prompt(running), until the running requests change
 
-    @property
-    def num_parked(self) -> int:
-        return len(self._parked)
-
     def shared_prompt(self) -> int:
         """``shared_prompt`` of the running requests (computed once while they stay the same)."""
         if self._shared is None:

@@ -16,8 +16,8 @@ group sizes:
 where ``total_consumed`` counts what the trainer took and did not hand back through ``report_stale``.
 ``check_accounting`` raises with the numbers when that fails.
 
-Thread-safe; ``put``/``abandon``/``*_nowait`` never block and are safe to call from an event loop, and
-``get_batch_async`` waits without blocking it.
+Thread-safe; ``put``, ``abandon`` and ``get_available`` never block and are safe to call from an event loop;
+``get_batch`` blocks the trainer's thread (``timeout=0``: take what is ready, or None, at once).
 """
 
 from __future__ import annotations
@@ -152,28 +152,10 @@ class MessageQueue:
         r = self._signal.wait(lambda: self._attempt(n), timeout)
         return None if r is _CLOSED else r
 
-    async def get_batch_async(self, n: int, timeout: float | None = None) -> list[QueuedGroup] | None:
-        self._check_n(n)
-        r = await self._signal.wait_async(lambda: self._attempt(n), timeout)
-        return None if r is _CLOSED else r
-
-    def get_batch_nowait(self, n: int) -> list[QueuedGroup] | None:
-        self._check_n(n)
-        with self._signal.lock:
-            return self._take_locked(n)
-
     def get_available(self) -> list[QueuedGroup]:
         """Every group that may be taken now under the schedule (possibly none); never blocks."""
         with self._signal.lock:
             return self._take_locked(len(self._items), partial=True) or []
-
-    def get(self, timeout: float | None = None) -> QueuedGroup | None:
-        batch = self.get_batch(1, timeout)
-        return batch[0] if batch else None
-
-    def get_nowait(self) -> QueuedGroup | None:
-        batch = self.get_batch_nowait(1)
-        return batch[0] if batch else None
 
     def report_stale(self, groups: Iterable[QueuedGroup | Group]) -> None:
         """The consumer discarded these taken groups as stale (``stale_filter``'s dropped list)."""
@@ -206,10 +188,6 @@ class MessageQueue:
     @property
     def queued_samples(self) -> int:
         return self._queued
-
-    @property
-    def oldest_unconsumed_seq(self) -> int:
-        return self._order.oldest_unconsumed
 
     def __len__(self) -> int:
         """Groups in the queue."""

@@ -128,10 +128,6 @@ class AdmissionController:
         with self._signal.lock:
             return 0 if self._closed else max(self._capacity(), 0)
 
-    def may_start(self) -> bool:
-        """Whether a start would be admitted now (a peek; use ``try_start`` to take the slot)."""
-        return self.capacity > 0
-
     def _try_start_locked(self) -> int | None:
         if self._closed or self._capacity() <= 0:
             return None
@@ -147,13 +143,9 @@ class AdmissionController:
         seq = self._try_start_locked()
         return seq if seq is not None else (False if self._closed else None)
 
-    def wait_to_start(self, timeout: float | None = None) -> int | None:
-        """Block until a slot is free and take it; ``None`` on timeout or close."""
-        r = self._signal.wait(self._attempt, timeout)
-        return None if r is False else r
-
     async def wait_to_start_async(self, timeout: float | None = None) -> int | None:
-        """``wait_to_start`` for a coroutine in the rollouter's event loop."""
+        """Wait, in the rollouter's event loop (suspending the task, not the loop), until a slot is free and take
+        it; ``None`` on timeout or close."""
         r = await self._signal.wait_async(self._attempt, timeout)
         return None if r is False else r
 
