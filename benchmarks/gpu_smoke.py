@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tether.algo import group_advantages  # noqa: E402
 from tether.config import RunConfig  # noqa: E402
+from tether.config.plan import Plan  # noqa: E402
 from tether.engine.base import SamplingParams  # noqa: E402
 from tether.engine.local import LocalEngine  # noqa: E402
 from tether.learner.fsdp import init_ranks, sharded_learner  # noqa: E402
@@ -127,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         engine_model = load_copy(model, dtype=torch.float32 if args.tiny else torch.bfloat16)
         engine = LocalEngine(engine_model, max_batch=64, prefix_cache_size=0, seed=0)
-        learner = sharded_learner(model, cfg, ranks, param_dtype=None if args.tiny else torch.bfloat16)
+        learner = sharded_learner(model, ranks, cfg.learner, cfg.policy_optimization,
+                                  temperature=cfg.engine.temperature,
+                                  max_response_tokens=Plan.of(cfg).max_response_tokens,
+                                  worker=cfg.actor_worker.class_, param_dtype=None if args.tiny else torch.bfloat16)
         print(f"gpu_smoke: {'tiny (CPU, gloo)' if args.tiny else torch.cuda.get_device_name(device)}; Qwen2 "
               f"{n_params / 1e6:.1f}M parameters, FSDP2 over {ranks.world} rank, built in "
               f"{time.perf_counter() - t0:.1f} s; {n_prompts} prompts × {args.group_size} completions × "

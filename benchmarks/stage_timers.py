@@ -166,7 +166,9 @@ def attach(timers: Timers, model_config: Any) -> None:
     from tether.engine import forward as eng_forward
     from tether.engine.local import LocalEngine
     from tether.env.customer_service import env as cs_env
+    from tether.learner import accumulate as accumulate_mod
     from tether.learner import learner as learner_mod
+    from tether.learner import logits as logits_mod
     from tether.learner.optim import PolicyOptimizer
     from tether.pipeline.weights import WeightSync
 
@@ -240,7 +242,7 @@ def attach(timers: Timers, model_config: Any) -> None:
         f = fl.forward(sum(lens), causal_pairs(lens), n_loss)
         timers.count("forward", f, sum(lens), rows=sum(lens))
         timers.count("backward", 2 * f, sum(lens), rows=sum(lens))
-        if getattr(self, "ref_model", None) is not None:
+        if getattr(getattr(self, "learner", self), "ref_model", None) is not None:
             timers.count("reference forward", f, sum(lens), rows=sum(lens))
         padded = mb.input_ids.numel()
         timers.extra["learner padded tokens"] += padded
@@ -249,7 +251,7 @@ def attach(timers: Timers, model_config: Any) -> None:
     L = learner_mod.Learner
     if hasattr(L, "_score"):
         timers.wrap(L, "_score", "pi_prox scoring", m_score)
-    timers.wrap(L, "_micro_loss", "forward", m_micro)
+    timers.wrap(accumulate_mod.Accumulation, "inputs", "forward", m_micro)
     timers.wrap(PolicyOptimizer, "update", "optimizer")
     timers.wrap(WeightSync, "push", "weight sync")
     orig_backward = torch.Tensor.backward
@@ -273,7 +275,7 @@ def attach(timers: Timers, model_config: Any) -> None:
             ref._stage_reference = True  # for token_logits, which calls the backbone and the head directly
 
     L.__init__ = init  # type: ignore[method-assign]
-    token_logits = getattr(learner_mod, "token_logits", None)
+    token_logits = getattr(logits_mod, "token_logits", None)
     if token_logits is not None and not getattr(token_logits, "_stage_timed", False):
 
         @functools.wraps(token_logits)
@@ -287,4 +289,4 @@ def attach(timers: Timers, model_config: Any) -> None:
                 timers.leave("reference forward")
 
         logits_of._stage_timed = True  # type: ignore[attr-defined]
-        learner_mod.token_logits = logits_of
+        logits_mod.token_logits = logits_of

@@ -103,3 +103,19 @@ def batch_source(cfg, producer, batch_tasks, weights, **kw):
     return make_source(Plan.of(cfg), producer, batch_tasks, weights, buffer=cfg.buffer,
                        replay_buffer_size=cfg.rollout.partial_rollout.replay_buffer_size,
                        normalization=cfg.policy_optimization.advantage.normalization, **kw)
+
+
+def learner_args(cfg) -> dict:
+    """``Learner``'s arguments after the model and the reference, from ``cfg``, as ``Run.build`` hands them."""
+    from tether.config.plan import Plan
+
+    return dict(lc=cfg.learner, po=cfg.policy_optimization, temperature=cfg.engine.temperature,
+                max_response_tokens=Plan.of(cfg).max_response_tokens, teacher=cfg.teacher,
+                worker=cfg.actor_worker.class_)
+
+
+def make_learner(model, cfg, ref_model=None):
+    """A ``Learner`` with ``cfg``'s sections and plan values (tether.learner.fsdp.run_learner, strategy none)."""
+    from tether.learner.learner import Learner
+
+    return Learner(model, ref_model, **learner_args(cfg))

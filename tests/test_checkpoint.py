@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import make_learner
 from tether.config import RunConfig, Secret
 from tether.learner import build_tiny, load_model_and_tokenizer
 from tether.learner.checkpoint import STATE_FILE, checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from tether.learner.learner import Learner
 from tether.types import Trajectory
 
 torch.set_num_threads(1)
@@ -45,13 +45,13 @@ def batch(seed: int) -> tuple[list[Trajectory], list[float]]:
 
 def test_round_trip_resumes_exactly(tiny, tmp_path):
     model, tokenizer = tiny
-    a = Learner(copy.deepcopy(model), None, CFG)
+    a = make_learner(copy.deepcopy(model), CFG)
     a.train_step(*batch(0))
     a.kl_coef = 0.02  # as an adaptive controller would leave it
     path = save_checkpoint(checkpoint_dir(tmp_path, 1), a, tokenizer, {"cursor": 4, "seen": ["t0", "t1"]})
     assert path == tmp_path / "checkpoints" / "step_1"
 
-    b = Learner(copy.deepcopy(model), None, CFG)  # fresh, from the initial model (also the KL reference)
+    b = make_learner(copy.deepcopy(model), CFG)  # fresh, from the initial model (also the KL reference)
     extra = load_checkpoint(path, b)
     assert extra == {"cursor": 4, "seen": ["t0", "t1"]}
     assert (b.version, b.kl_coef, b.optimizer.num_updates, b.optimizer.lr) == (1, 0.02, 2, a.optimizer.lr)
@@ -70,7 +70,7 @@ def test_round_trip_resumes_exactly(tiny, tmp_path):
 
 def test_folder_is_a_hugging_face_model(tiny, tmp_path):
     model, tokenizer = tiny
-    learner = Learner(copy.deepcopy(model), None, CFG)
+    learner = make_learner(copy.deepcopy(model), CFG)
     learner.train_step(*batch(0))
     path = save_checkpoint(tmp_path / "ckpt", learner, tokenizer, {})
     assert (path / "generation_config.json").is_file()
@@ -84,7 +84,7 @@ def test_folder_is_a_hugging_face_model(tiny, tmp_path):
 
 def test_latest_checkpoint_ignores_incomplete_folders(tiny, tmp_path, monkeypatch):
     model, tokenizer = tiny
-    learner = Learner(copy.deepcopy(model), None, CFG)
+    learner = make_learner(copy.deepcopy(model), CFG)
     assert latest_checkpoint(tmp_path) is None
     save_checkpoint(checkpoint_dir(tmp_path, 1), learner, tokenizer, {})
     save_checkpoint(checkpoint_dir(tmp_path, 3), learner, tokenizer, {})
@@ -109,7 +109,7 @@ def test_latest_checkpoint_ignores_incomplete_folders(tiny, tmp_path, monkeypatc
 
 def test_resave_replaces_and_rng_is_restored(tiny, tmp_path):
     model, tokenizer = tiny
-    learner = Learner(copy.deepcopy(model), None, CFG)
+    learner = make_learner(copy.deepcopy(model), CFG)
     path = checkpoint_dir(tmp_path, 2)
     save_checkpoint(path, learner, tokenizer, {"cursor": 1})
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
@@ -124,7 +124,7 @@ def test_resave_replaces_and_rng_is_restored(tiny, tmp_path):
 
 def test_refuses_secrets_and_objects_in_extra(tiny, tmp_path):
     model, tokenizer = tiny
-    learner = Learner(copy.deepcopy(model), None, CFG)
+    learner = make_learner(copy.deepcopy(model), CFG)
     with pytest.raises(TypeError, match=r"extra\['client'\]\['api_key'\] is a Secret"):
         save_checkpoint(tmp_path / "c", learner, tokenizer, {"client": {"api_key": Secret("sk-live")}})
     assert not (tmp_path / "c").exists()

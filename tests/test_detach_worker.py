@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
+from conftest import make_learner
 from tether.config import RunConfig
 from tether.learner import load_model_and_tokenizer
 from tether.learner.detach import ActorWorker, DetachActorWorker, make_worker
-from tether.learner.learner import Learner
 from tether.types import Trajectory
 
 torch.set_num_threads(1)
@@ -86,7 +86,7 @@ def test_offload_and_reload_keep_the_weights_and_the_optimizer(model):
     runs = []
     for offload in (False, True):
         torch.manual_seed(0)
-        learner = Learner(copy.deepcopy(model), None, cfg)
+        learner = make_learner(copy.deepcopy(model), cfg)
         learner.train_step(trajs, ADV)
         worker = DetachActorWorker(learner.model, learner.optimizer)
         if offload:
@@ -100,7 +100,7 @@ def test_offload_and_reload_keep_the_weights_and_the_optimizer(model):
 def learner_steps(model, worker: str, sync_every: int, steps: int = 3) -> tuple[dict, list[dict]]:
     cfg = RunConfig.model_validate({**CFG, "actor_worker": {"class": worker}})
     torch.manual_seed(0)
-    learner = Learner(copy.deepcopy(model), None, cfg)
+    learner = make_learner(copy.deepcopy(model), cfg)
     trajs = trajectories(model.config.vocab_size)
     metrics = []
     for step in range(1, steps + 1):

@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from conftest import learner_args, make_learner
 from tether.config import RunConfig
 from tether.learner import load_model_and_tokenizer
 from tether.learner.learner import Learner
@@ -69,6 +70,13 @@ def merged(overrides: dict[str, Any]) -> RunConfig:
         return out
 
     return RunConfig.model_validate(merge(BASE, overrides))
+
+
+def run_args(cfg: RunConfig) -> dict[str, Any]:
+    """``run_learner``'s arguments after the model, from ``cfg``, as ``Run.build`` hands them."""
+    args = learner_args(cfg)
+    del args["worker"]
+    return {**args, "actor_worker": cfg.actor_worker}
 
 
 def trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
@@ -113,7 +121,7 @@ def _rank(rank: int, port: int, model: torch.nn.Module, trajs: list[Trajectory],
         results = {}
         for name, overrides in CASES:
             torch.manual_seed(0)
-            learner = sharded_learner(copy.deepcopy(model), merged(overrides), ranks)
+            learner = sharded_learner(copy.deepcopy(model), ranks, **learner_args(merged(overrides)))
             assert type(next(learner.model.parameters())).__name__ == "DTensor"
             shard = next(learner.model.parameters()).to_local()
             results[name] = run_case(learner, trajs)
@@ -161,7 +169,7 @@ def sharded(model, tmp_path_factory) -> dict[str, Any]:
 
 def single(model: torch.nn.Module, overrides: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
-    learner = Learner(copy.deepcopy(model), None, merged(overrides))
+    learner = make_learner(copy.deepcopy(model), merged(overrides))
     assert learner.ranks == Ranks()
     return run_case(learner, trajectories(model.config.vocab_size))
 
@@ -214,8 +222,8 @@ def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, t
 
     learners: list[Learner] = []  # the learner each run built
 
-    def spy(model, cfg):
-        learners.append(build_learner(model, cfg))
+    def spy(*args, **kwargs):
+        learners.append(build_learner(*args, **kwargs))
         return learners[-1]
 
     build_learner = build.run_learner
@@ -267,5 +275,5 @@ def test_a_run_refuses_several_trainer_ranks(model, monkeypatch, strategy):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=f"actor_worker.strategy: {strategy} with WORLD_SIZE=2"):
-        run_learner(copy.deepcopy(model), merged({"actor_worker": {"strategy": strategy}}))
-    assert isinstance(run_learner(copy.deepcopy(model), merged({})).model, type(model))  # none: no group at all
+        run_learner(copy.deepcopy(model), **run_args(merged({"actor_worker": {"strategy": strategy}})))
+    assert isinstance(run_learner(copy.deepcopy(model), **run_args(merged({}))).model, type(model))  # none: no group

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
 
+from conftest import make_learner
 from tether.config import RunConfig
 from tether.learner import build_tiny, load_model_and_tokenizer
 from tether.learner.batch import TrainBatch
@@ -117,7 +119,7 @@ def test_train_batch_aligns_mask_and_logprobs_with_tokens():
 def test_describe_and_batch_size_contract(base_model):
     cfg = RunConfig.model_validate({"learner": {"batch_size": 64, "mini_batch_size": 8,
                                                 "gradient_accumulation_steps": 2, "update_frequency": 1}})
-    learner = Learner(copy.deepcopy(base_model), None, cfg)
+    learner = make_learner(copy.deepcopy(base_model), cfg)
     # micro = 8 / 2 = 4 trajectories; 64 / 8 = 8 optimizer updates per pass
     assert learner.describe() == "batch 64 traj/step = 8 updates × (2 micro × 4 traj), 1 epoch"
     # fewer trajectories than batch_size (groups dropped by the filter): ceil(8 / 8) = 1 update
@@ -127,7 +129,7 @@ def test_describe_and_batch_size_contract(base_model):
     with pytest.raises(ValueError, match="no trajectories"):
         learner.train_step([], [])
 
-    two = Learner(copy.deepcopy(base_model), None, make_cfg(batch=8, mini=4, accum=2, epochs=2, kl="none"))
+    two = make_learner(copy.deepcopy(base_model), make_cfg(batch=8, mini=4, accum=2, epochs=2, kl="none"))
     assert two.describe() == ("batch 8 traj/step = 2 updates × (2 micro × 2 traj), 2 epochs "
                               "→ 4 optimizer updates/step")
     seen = spy_grads(two)
@@ -144,8 +146,8 @@ def test_gradient_accumulation_is_invariant(base_model, mode):
     results = {}
     for accum in (1, 2, 4):
         # A small lr keeps Adam's near-sign update of a ~1e-9 gradient from amplifying rounding differences.
-        learner = Learner(copy.deepcopy(base_model), None, make_cfg(accum=accum, lr=1e-5))
-        learner.loss_agg_mode = mode
+        learner = make_learner(copy.deepcopy(base_model), make_cfg(accum=accum, lr=1e-5))
+        learner.objective = dataclasses.replace(learner.objective, agg_mode=mode)
         seen = spy_grads(learner)
         metrics = learner.train_step(trajs, adv)
         results[accum] = (seen[0], dict(learner.model.named_parameters()), metrics)
@@ -176,15 +178,15 @@ def test_on_policy_first_update_has_unit_ratio_and_zero_kl(base_model):
             logp = torch.log_softmax(model(ids).logits[0, :-1] / temperature, dim=-1)  # [n-1, V]
             picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(t.prompt_ids) - 1:]  # [R]
             t.logprobs = [float(lp) if m else 0.0 for lp, m in zip(picked, t.response_mask)]
-    learner = Learner(model, None, make_cfg(accum=2, temperature=temperature))
+    learner = make_learner(model, make_cfg(accum=2, temperature=temperature))
     gaps = []
-    loss_fn = learner.policy_loss_fn
+    loss_fn = learner.objective.policy_loss
 
     def spy(logp, old_logp, adv, mask, **kw):
         gaps.append(((logp - old_logp).abs() * mask).max().item())
         return loss_fn(logp, old_logp, adv, mask, **kw)
 
-    learner.policy_loss_fn = spy
+    learner.objective = dataclasses.replace(learner.objective, policy_loss=spy)
     m = learner.train_step(trajs, advantages(8))
     assert max(gaps) < 1e-5  # ratio = 1 up to float rounding of a differently padded batch
     assert m["optim/clip_ratio_low"] == 0.0 and m["optim/clip_ratio_high"] == 0.0
@@ -193,7 +195,7 @@ def test_on_policy_first_update_has_unit_ratio_and_zero_kl(base_model):
 
 
 def test_kl_off_has_no_reference(base_model):
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none"))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(kl="none"))
     assert learner.ref_model is None and learner.kl_coef == 0.0
     m = learner.train_step(make_trajectories(8), advantages(8))
     assert "optim/kl_divergence" not in m and m["optim/kl_coef"] == 0.0
@@ -203,7 +205,7 @@ def test_kl_off_has_no_reference(base_model):
 
 
 def test_step_changes_parameters_and_non_finite_is_skipped(base_model):
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(mini=4))
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     pushed = learner.state_dict_for_engine()
     m = learner.train_step(make_trajectories(8), advantages(8))
@@ -260,7 +262,7 @@ def test_linear_warmup_hand_values():
 
 
 def test_learner_reports_warmup_lr(base_model):
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=2, lr=1e-3, warmup=8, kl="none"))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(mini=2, lr=1e-3, warmup=8, kl="none"))
     m = learner.train_step(make_trajectories(8), advantages(8))
     assert m["optim/lr"] == pytest.approx(1e-3 * 4 / 8)  # 4 updates; the 4th used lr · 4/8
     m = learner.train_step(make_trajectories(8, seed=2), advantages(8, seed=2))
@@ -280,7 +282,7 @@ def test_grad_clipping_reports_pre_clip_norm():
 
 
 def test_learner_grad_norm_is_pre_clip(base_model):
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(max_grad_norm=1e-3))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(max_grad_norm=1e-3))
     seen = spy_grads(learner)
     post = []
     learner.optimizer.optimizer.register_step_pre_hook(lambda *_: post.append(torch.linalg.vector_norm(

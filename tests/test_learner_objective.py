@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from conftest import make_learner
 from test_learner import advantages, base_model, make_cfg, make_trajectories  # noqa: F401 — fixture
 from tether.algo import aggregate
-from tether.learner import learner as learner_module
-from tether.learner.learner import Learner
+from tether.config.plan import Plan
+from tether.learner import loss as loss_module
 from tether.learner.objective import Objective
 
 torch.set_num_threads(1)
@@ -29,7 +30,7 @@ def own_logprobs(model, trajs, temperature=1.0):
 
 
 def params_after_one_step(model, cfg, trajs):
-    learner = Learner(copy.deepcopy(model), None, cfg)
+    learner = make_learner(copy.deepcopy(model), cfg)
     metrics = learner.train_step(trajs, advantages(len(trajs)))
     return {n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics
 
@@ -60,7 +61,7 @@ def test_double_sided_masks_exactly_the_tokens_outside_the_band(base_model):
                     t.logprobs[i] += 0.5
                     shifted += 1
                 k += 1
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction="double_sided_importance_sampling"))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(correction="double_sided_importance_sampling"))
     m = learner.train_step(trajs, advantages(8))
     assert m["optim/is_masked_fraction"] == pytest.approx(shifted / total, abs=1e-6)
     # ρ mean over the model tokens: (shifted · e^-0.5 + (total − shifted) · 1) / total
@@ -69,16 +70,16 @@ def test_double_sided_masks_exactly_the_tokens_outside_the_band(base_model):
     for t in trajs:
         own = own_logprobs(base_model, [copy.deepcopy(t)])[0].logprobs
         t.logprobs = [lp + 0.5 if msk else 0.0 for lp, msk in zip(own, t.response_mask)]
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(correction="double_sided_importance_sampling",
-                                                                entropy_coef=0.0, kl="none"))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(correction="double_sided_importance_sampling",
+                                                               entropy_coef=0.0, kl="none"))
     m = learner.train_step(trajs, advantages(8))
     assert m["optim/is_masked_fraction"] == pytest.approx(1.0) and m["optim/loss"] == 0.0
 
 
 def test_adaptive_kl_coefficient_follows_the_proportional_rule(base_model):
     # horizon 8 = one batch: β ← β·(1 + clip(KL/target − 1, ±0.2)·8/8)
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, adaptive=True, horizon=8, target_kl=1e-3,
-                                                                lr=1e-2))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(mini=4, adaptive=True, horizon=8, target_kl=1e-3,
+                                                               lr=1e-2))
     m1 = learner.train_step(make_trajectories(8), advantages(8))
     assert m1["optim/kl_coef"] == 0.05  # the coefficient used in step 1
     err = min(max(m1["optim/kl_divergence"] / 1e-3 - 1.0, -0.2), 0.2)
@@ -90,11 +91,11 @@ def test_adaptive_kl_coefficient_follows_the_proportional_rule(base_model):
 def test_max_kl_guard_stops_the_rest_of_the_step(base_model):
     # 3 epochs × 2 mini-batches = 6 updates; the first measures KL = 0 (policy = reference), the second measures
     # the drift of the first update, far above 1e-6: the remaining 4 updates are skipped
-    learner = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, epochs=3, lr=1e-2, max_kl=1e-6,
-                                                                target_kl=1e-7))
+    learner = make_learner(copy.deepcopy(base_model), make_cfg(mini=4, epochs=3, lr=1e-2, max_kl=1e-6,
+                                                               target_kl=1e-7))
     m = learner.train_step(make_trajectories(8), advantages(8))
     assert learner.optimizer.num_updates == 2 and m["optim/kl_guard_stops"] == 1.0
-    unguarded = Learner(copy.deepcopy(base_model), None, make_cfg(mini=4, epochs=3, lr=1e-2))
+    unguarded = make_learner(copy.deepcopy(base_model), make_cfg(mini=4, epochs=3, lr=1e-2))
     m = unguarded.train_step(make_trajectories(8), advantages(8))
     assert unguarded.optimizer.num_updates == 6 and m["optim/kl_guard_stops"] == 0.0
 
@@ -102,8 +103,8 @@ def test_max_kl_guard_stops_the_rest_of_the_step(base_model):
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "grpo_variant"])
 def test_every_algorithm_trains_one_step(base_model, algorithm):
     cfg = make_cfg(mini=4, kl="none", algorithm=algorithm)
-    learner = Learner(copy.deepcopy(base_model), None, cfg)
-    assert learner.loss_agg_mode == {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
+    learner = make_learner(copy.deepcopy(base_model), cfg)
+    assert learner.objective.agg_mode == {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
                                      "dr_grpo": "seq_mean_token_sum_norm"}.get(algorithm, "token_mean")
     trajs = own_logprobs(base_model, make_trajectories(8, seed=4))
     before = [p.detach().clone() for p in learner.model.parameters()]
@@ -130,16 +131,21 @@ def test_correction_bounds_the_update_when_behaviour_is_stale(base_model):
     for method in ("none", "double_sided_importance_sampling"):
         cfg = make_cfg(correction=method, tis=method != "none", kl="none", entropy_coef=0.0)
         cfg.policy_optimization.clip_ratio_c = None  # plain PPO clip: nothing bounds r·|A| when A < 0
-        norms[method] = Learner(copy.deepcopy(base_model), None, cfg).train_step(copy.deepcopy(trajs), adv)[
+        norms[method] = make_learner(copy.deepcopy(base_model), cfg).train_step(copy.deepcopy(trajs), adv)[
             "optim/grad_norm"]
-    clean = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none", entropy_coef=0.0))
+    clean = make_learner(copy.deepcopy(base_model), make_cfg(kl="none", entropy_coef=0.0))
     on_policy = clean.train_step(own_logprobs(base_model, copy.deepcopy(trajs)), adv)["optim/grad_norm"]
     assert norms["none"] > 20 * on_policy  # the stale tokens dominate the uncorrected update
     assert norms["double_sided_importance_sampling"] < 1.5 * on_policy  # corrected: the size of an on-policy update
     # the default dual clip (c = 3) alone also cuts them: r = 148 > c with A < 0 (and A > 0 is clipped at 1 + ε_high)
-    dual = Learner(copy.deepcopy(base_model), None, make_cfg(kl="none", entropy_coef=0.0))
+    dual = make_learner(copy.deepcopy(base_model), make_cfg(kl="none", entropy_coef=0.0))
     m = dual.train_step(copy.deepcopy(trajs), adv)
     assert m["optim/grad_norm"] < 1.5 * on_policy and m["optim/dual_clip_ratio"] > 0.0
+
+
+def objective_of(cfg) -> Objective:
+    return Objective.from_config(cfg.policy_optimization, cfg.learner.off_policy_correction,
+                                 Plan.of(cfg).max_response_tokens)
 
 
 def dual_clip_batch():
@@ -160,7 +166,7 @@ def dual_clip_batch():
 def test_clip_ratio_c_reaches_the_loss(c, token_loss, token_grad, active):
     cfg = make_cfg(algorithm="dapo")  # clipped_surrogate, token_mean, ε = 0.2 / 0.28
     cfg.policy_optimization.clip_ratio_c = c
-    objective = Objective.from_config(cfg)
+    objective = objective_of(cfg)
     logp, old, adv, mask = dual_clip_batch()
     loss, m = objective.policy_loss(logp, old, adv, mask)
     assert torch.allclose(loss[:, 0], torch.tensor(token_loss), atol=1e-5)
@@ -178,7 +184,7 @@ def test_clip_ratio_c_applies_to_gspo_and_not_to_cispo():
         for c in (None, 1.5):
             cfg = make_cfg(algorithm=algorithm)
             cfg.policy_optimization.clip_ratio_c = c
-            losses[algorithm, c] = Objective.from_config(cfg).policy_loss(logp, old, adv, mask)[0].detach()[:, 0]
+            losses[algorithm, c] = objective_of(cfg).policy_loss(logp, old, adv, mask)[0].detach()[:, 0]
     # GSPO, A < 0, ratios 4, 2, 1.1 above 1 + 0.28: unclipped −A·s = [4, 2, 1.1]; with c = 1.5: [1.5, 1.5, 1.1]
     assert torch.allclose(losses["gspo", None][:3], torch.tensor([4.0, 2.0, 1.1]), atol=1e-5)
     assert torch.allclose(losses["gspo", 1.5][:3], torch.tensor([1.5, 1.5, 1.1]), atol=1e-5)
@@ -190,13 +196,13 @@ def test_dr_grpo_normaliser_is_the_configured_max_response_length(base_model, mo
     cfg = make_cfg(algorithm="dr_grpo", kl="none", entropy_coef=0.0)
     cfg.engine.max_tokens, cfg.agent_loop.max_assistant_turns = 8, 3
     seen = []
-    real = learner_module.aggregate
+    real = loss_module.aggregate
 
     def spy(*args, **kwargs):  # the normaliser of every policy-gradient aggregation
         seen.append(kwargs.get("norm_len"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "aggregate", spy)
+    monkeypatch.setattr(loss_module, "aggregate", spy)
     short = own_logprobs(base_model, make_trajectories(8, seed=6))
     long = own_logprobs(base_model, make_trajectories(8, seed=7))
     for t in long:  # one more turn of 5 model tokens and 2 tool tokens on every trajectory: longer responses
@@ -208,7 +214,7 @@ def test_dr_grpo_normaliser_is_the_configured_max_response_length(base_model, mo
     adv = advantages(8)
     for trajs in (short, long):
         seen.clear()
-        learner = Learner(copy.deepcopy(base_model), None, cfg)
+        learner = make_learner(copy.deepcopy(base_model), cfg)
         m = learner.train_step(trajs, adv)
         assert seen and set(seen) == {24}
         # on-policy (r = 1), one update: ℓ_t = −A_i, loss = Σ_i −A_i·n_i / (B · L), n_i = model tokens of i

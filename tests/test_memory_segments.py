@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from conftest import make_learner
 from tether.agent.chat import render_ids
 from tether.agent.loop import SUMMARY_PREFIX
 from tether.algo import logprobs_from_logits
@@ -20,7 +21,6 @@ from tether.engine.local import LocalEngine
 from tether.engine.scripted import ScriptedEngine
 from tether.env.customer_service import CustomerServiceEnv, example_texts, tasks
 from tether.learner.batch import TrainBatch
-from tether.learner.learner import Learner
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.runtime import agent_loop, env_factory
 from tether.types import Segment, Trajectory
@@ -188,7 +188,7 @@ def test_a_learner_step_trains_on_segmented_trajectories(tiny, rollouts):
     })
     advantages = [1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.5, 0.5]
     for k, trajs in rollouts.items():
-        learner = Learner(copy.deepcopy(model), None, cfg)
+        learner = make_learner(copy.deepcopy(model), cfg)
         before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
         batch = TrainBatch.from_trajectories(trajs, advantages, pad_id=learner.pad_id)
         metrics = learner.train_step(trajs, advantages)

@@ -19,11 +19,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, SEEDS, batch_source, group_producer, rollout_allocator
+from conftest import REPO, SEEDS, batch_source, group_producer, make_learner, rollout_allocator
 from tether.config import ConfigError, RunConfig, load_config
 from tether.learner import load_model_and_tokenizer
-from tether.learner.learner import Learner
-from tether.pipeline.trainer import advantages
+from tether.pipeline.streaming import advantages
 from tether.types import Group, Task, Trajectory
 
 torch.set_num_threads(1)
@@ -91,7 +90,7 @@ def trajectories(vocab: int, n: int = 8, seed: int = 0) -> list[Trajectory]:
 def learner_run(base_model, overrides: dict) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     cfg = RunConfig.model_validate(merge(LEARNER_BASE, overrides))
     torch.manual_seed(0)
-    learner = Learner(copy.deepcopy(base_model), None, cfg)
+    learner = make_learner(copy.deepcopy(base_model), cfg)
     trajs = trajectories(base_model.config.vocab_size)
     adv = [1.5, -1.0, 0.5, -1.0, 2.0, -0.5, -0.5, -1.0]
     metrics = [learner.train_step(trajs, adv) for _ in range(2)]
@@ -162,8 +161,7 @@ def test_advantage_normalization_changes_the_advantages():
               Group("b", [Trajectory("b", [1], reward=r) for r in (0.2, 0.0, 0.0, 0.0)])]
     out = {}
     for norm in ("group", "batch", "none"):
-        cfg = RunConfig.model_validate(nested("policy_optimization.advantage.normalization", norm))
-        out[norm] = advantages(cfg, groups)[1]
+        out[norm] = advantages(groups, norm, min_std=0.0)[0]
     # group b: mean 0.05; raw advantages (0.15, -0.05, -0.05, -0.05); its own std (n-1) = 0.1
     assert out["none"][4:].tolist() == pytest.approx([0.15, -0.05, -0.05, -0.05])
     assert out["group"][4:].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-4)

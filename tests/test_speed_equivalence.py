@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 
+from conftest import make_learner
 from test_learner import advantages, make_cfg, make_trajectories
 from tether.agent import chat
 from tether.config import RunConfig
-from tether.learner import learner as learner_module
 from tether.learner import logits as logits_module
-from tether.learner.learner import Learner, token_logits
+from tether.learner.logits import token_logits
 from tether.types import Group, Task, Trajectory
 
 torch.set_num_threads(1)
@@ -44,7 +44,7 @@ def stale_behaviour(trajs, shift=0.15, seed=0):
 
 
 def one_step(model, cfg, trajs, **attrs):
-    learner = Learner(copy.deepcopy(model), None, cfg)
+    learner = make_learner(copy.deepcopy(model), cfg)
     for k, v in attrs.items():
         setattr(learner, k, v)
     metrics = learner.train_step(copy.deepcopy(trajs), advantages(len(trajs)))
@@ -83,7 +83,7 @@ def test_learner_step_equals_the_full_logits_step(base_model, monkeypatch, corre
     trajs = stale_behaviour(make_trajectories(8, seed=3))
     cfg = make_cfg(accum=2, correction=correction, tis=True, entropy_coef=0.01)
     fast = one_step(base_model, cfg, trajs)
-    monkeypatch.setattr(learner_module, "token_logits", full_logits)
+    monkeypatch.setattr(logits_module, "token_logits", full_logits)
     slow = one_step(base_model, cfg, trajs)
     assert_same(fast, slow)
     assert fast[1]["optim/kl_divergence"] == 0.0  # policy = reference before the update
@@ -136,8 +136,8 @@ def test_learner_step_with_a_shared_prompt_equals_the_plain_step(base_model, mon
     runs = []
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(learner_module, "token_logits", full_logits)
-        learner = Learner(copy.deepcopy(base_model), None, cfg)
+            monkeypatch.setattr(logits_module, "token_logits", full_logits)
+        learner = make_learner(copy.deepcopy(base_model), cfg)
         seen, update = [], learner.optimizer.update
 
         def spy(update=update, seen=seen, learner=learner, **kwargs):
@@ -161,7 +161,7 @@ def test_prox_from_the_first_forward_equals_a_scoring_pass(base_model, mini):
     cfg = make_cfg(mini=mini, accum=2, correction="double_sided_importance_sampling", tis=True)
     scored = []
     fast = one_step(base_model, cfg, trajs)
-    learner = Learner(copy.deepcopy(base_model), None, cfg)
+    learner = make_learner(copy.deepcopy(base_model), cfg)
     learner.prox_from_forward = False
     score = learner._score
     learner._score = lambda batch, device, skip=0: scored.append(skip) or score(batch, device, skip)
@@ -176,8 +176,8 @@ def test_prox_pass_is_skipped_only_when_it_is_redundant(base_model):
     skips = {}
     cases = {"one update": dict(mini=8), "two updates": dict(mini=4), "two epochs": dict(epochs=2)}
     for label, kwargs in cases.items():
-        learner = Learner(copy.deepcopy(base_model), None,
-                          make_cfg(correction="double_sided_importance_sampling", tis=True, **kwargs))
+        learner = make_learner(copy.deepcopy(base_model),
+                               make_cfg(correction="double_sided_importance_sampling", tis=True, **kwargs))
         score, seen = learner._score, []
         learner._score = lambda batch, device, skip=0, score=score, seen=seen: seen.append(skip) or score(
             batch, device, skip)

@@ -58,7 +58,8 @@ def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_t
     lent = [2]  # the engine's threads, as StepUpdate sets them
     try:
         learner = _Learner(lent)
-        with StepUpdate(cfg, learner, engine_threads=lent.append) as update:
+        with StepUpdate(learner, cfg.policy_optimization.advantage, overlap_rollout=cfg.learner.overlap_rollout,
+                        mode=cfg.rollout.mode, ordered=cfg.trainer.deterministic, engine_threads=lent.append) as update:
             groups = [_group(i) for i in range(3)]
             update.offer(groups[0])
             _wait_for(lambda: len(lent) == 3)  # trained, and the engine has both threads back

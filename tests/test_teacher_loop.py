@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL_RUN, read_rows
+from conftest import SMALL_RUN, make_learner, read_rows
 from tether.config import ConfigError, load_config
-from tether.learner.learner import Learner
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.rollouter import Rollouter, RolloutError
@@ -106,7 +105,7 @@ def _step(tmp_path, models, rollouts, *overrides: str) -> tuple[dict[str, float]
         if teacher is not None:
             teacher.close()
     torch.manual_seed(0)
-    learner = Learner(model, None, cfg)
+    learner = make_learner(model, cfg)
     recorder = MetricsRecorder([])
     prev = set_recorder(recorder)
     try:

@@ -12,6 +12,9 @@ others (``tether.pipeline.streaming``): the learner's forward and backward overl
 it. A micro-batch holds at most ``micro_batch_size`` trajectories; the trajectories of one ``add`` are split into
 near-equal micro-batches, so a group added on its own is one micro-batch (its episodes share their whole first
 prompt, which ``token_logits`` then runs once).
+
+A micro-batch goes model → ``LossInputs`` (``inputs``: the policy's forward, π_prox, the entropy, the reference's
+log-probabilities, the teacher's tensors) → ``loss_fn`` (``loss.py``, a pure function of tensors) → backward.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch
 
 from tether.algo import loss_denominator
 from tether.learner.batch import TrainBatch
+from tether.learner.logits import forward
+from tether.learner.loss import LossInputs, loss_fn
 from tether.types import Trajectory
 
 if TYPE_CHECKING:
@@ -67,17 +72,41 @@ class Accumulation:
         n = batch.num_trajectories
         for mb in batch.split(-(-n // learner.micro_batch_size)):
             mb = mb.to(self.device)
-            self.denom += loss_denominator(mb.loss_mask[:, 1:], learner.loss_agg_mode)  # the whole micro-batch's
+            self.denom += loss_denominator(mb.loss_mask[:, 1:], learner.objective.agg_mode)  # the whole micro-batch's
             mine, weight = learner.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
-            loss, metrics = learner._micro_loss(mine, self.prox_from_forward)
-            (loss if weight == 1.0 else loss * weight).backward()
-            self.loss += loss.detach() * weight
+            out = loss_fn(self.inputs(mine), learner.objective, entropy_coef=learner.entropy_coef,
+                          kl_coef=learner.kl_coef, kl_estimator=learner.kl_estimator, distill=learner.distill)
+            (out.loss if weight == 1.0 else out.loss * weight).backward()
+            self.loss += out.loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight
-            for name, value in metrics.items():
+            for name, value in out.metrics.items():
                 self.tokens[name].append((float(value), n_tok))
         self.trajectories += n
         self.forwarded_tokens += batch.num_tokens
         self.busy_s += time.perf_counter() - t0
+
+    def inputs(self, mb: TrainBatch) -> LossInputs:
+        """The micro-batch's ``LossInputs``: the policy's forward at the loss positions (with grad), π_prox (this
+        forward's own, detached, when ``prox_from_forward``; else the scored one, or None = π_behav), the entropy, and
+        the reference's and the teacher's log-probabilities where those terms are on."""
+        learner = self.learner
+        sel = mb.loss_mask[:, 1:] > 0  # [b, T-1] the positions the loss reads; logits are computed there only
+        policy = forward(learner.model, mb.input_ids, mb.attention_mask, sel, learner.temperature)
+        prox_logp: torch.Tensor | None
+        if self.prox_from_forward:
+            prox_logp = policy.logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
+        else:
+            prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else None  # [b, T-1]
+        distill = learner.distill.inputs(policy, mb) if learner.distill is not None else None
+        with torch.set_grad_enabled(learner.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = policy.entropy()  # [b, T-1]
+        ref_logp = None
+        if learner.ref_model is not None:
+            with torch.no_grad():
+                ref_logp = forward(learner.ref_model, mb.input_ids, mb.attention_mask, sel, learner.temperature).logp
+        return LossInputs(logp=policy.logp, prox_logp=prox_logp, behav_logp=mb.old_logp[:, 1:],
+                          advantages=mb.advantages, mask=mb.loss_mask[:, 1:], entropy=entropy, ref_logp=ref_logp,
+                          distill=distill)
 
     def apply(self, acc: Pairs) -> float | None:
         """Divide the summed gradient by the denominator, clip and step (or skip when non-finite); add the metrics

@@ -1,5 +1,8 @@
 """The learner's side of distillation: the teacher's scores as batch tensors, and the loss term.
 
+A teacher is loaded and queried by ``tether.teacher`` (its scores travel on the trajectories); what the learner
+does with them is here, so that the learner never imports the teacher package.
+
     loss = pg + coef · agg(ℓ_distill)      teacher.rl_loss: true
     loss = coef · agg(ℓ_distill)           teacher.rl_loss: false (pure on-policy distillation)
 
@@ -32,10 +35,22 @@ import torch
 
 from tether.algo.aggregation import aggregate
 from tether.algo.distill import DistillEstimator, gather_logprobs, reverse_kl_loss, topk_forward_kl
-from tether.config import RunConfig
+from tether.config.teacher import TeacherConfig
 from tether.learner.batch import TrainBatch
+from tether.learner.logits import Forward, scatter
 from tether.metrics import record_metric
 from tether.types import Trajectory
+
+
+@dataclass(frozen=True)
+class DistillInputs:
+    """A micro-batch's student and teacher tensors at the loss positions (shifted: position t predicts t+1)."""
+
+    student_logp: torch.Tensor  # [b, L] log q(token) at temperature 1, as the teacher is scored (module docstring)
+    teacher_logp: torch.Tensor  # [b, L] log p(token), the teacher's
+    sel: torch.Tensor  # [b, L] bool, the loss positions (n = sel.sum())
+    student_top_logp: torch.Tensor | None = None  # [n, K] log q at T = 1 of the teacher's top-K ids (topk_forward_kl)
+    teacher_top_logp: torch.Tensor | None = None  # [n, K] the teacher's; -inf = no entry
 
 
 @dataclass(frozen=True)
@@ -47,12 +62,12 @@ class Distillation:
     top_k: int  # K of the top-k tensors (0 with reverse_kl)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> Distillation | None:
-        tc = cfg.teacher
-        if not tc.enabled:
+    def from_config(cls, teacher: TeacherConfig) -> Distillation | None:
+        """The term the ``teacher`` section asks for; None when no teacher is configured."""
+        if not teacher.enabled:
             return None
-        top_k = tc.top_k if tc.loss == "topk_forward_kl" else 0
-        return cls(tc.loss, tc.kl_estimator, tc.coef, tc.rl_loss, top_k)
+        top_k = teacher.top_k if teacher.loss == "topk_forward_kl" else 0
+        return cls(teacher.loss, teacher.kl_estimator, teacher.coef, teacher.rl_loss, top_k)
 
     def attach(self, batch: TrainBatch, trajectories: Sequence[Trajectory]) -> None:
         """Fill ``batch.teacher_*`` from the trajectories' scores (rows = segments, as ``from_trajectories`` lays
@@ -86,34 +101,38 @@ class Distillation:
             batch.teacher_top_ids, batch.teacher_top_logp = top_ids, top_logp
         record_metric("teacher/latency_s", sum(latency) / len(latency))
 
-    def combine(self, pg_loss: torch.Tensor, logits: torch.Tensor, sel: torch.Tensor, logp: torch.Tensor,
-                mb: TrainBatch, temperature: float,
-                agg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's loss with the distillation term, and the per-token ``teacher/*`` metrics.
-
-        sel: [b, T-1] the loss positions (shifted: position t predicts token t+1); logits: [n, V] the student's
-        raw logits there (n = sel.sum()); logp: [b, T-1] the student's log-probs of the sampled tokens at
-        ``temperature`` (the sampling one), as the learner computed them; agg: the policy-gradient term's
-        aggregation arguments (mode, denom, norm_len)."""
+    def inputs(self, student: Forward, mb: TrainBatch) -> DistillInputs:
+        """The student's log-probabilities the term compares with the teacher's, from the same logits as the RL
+        term's (``student``: the forward at the sampling temperature), and the teacher's, laid out alike."""
         if mb.teacher_logp is None:
             raise RuntimeError("the batch has no teacher scores (Distillation.attach was not called)")
-        mask = mb.loss_mask[:, 1:]  # [b, T-1]
-        logp_1 = logp  # [b, T-1] the student at temperature 1, as the teacher is scored (module docstring)
-        if temperature != 1.0:
+        sel = student.sel  # [b, L]
+        logp_1 = student.logp  # [b, L] at T = 1 already when the sampling temperature is 1
+        if student.temperature != 1.0:
             ids = mb.input_ids[:, 1:][sel]  # [n]
-            logp_1 = logp.new_zeros(sel.shape).masked_scatter(
-                sel, gather_logprobs(logits[None], ids[None, :, None])[0, :, 0])
-        tok, m = reverse_kl_loss(logp_1, mb.teacher_logp[:, 1:], mb.old_logp[:, 1:], mask, estimator=self.estimator,
-                                 sample_logp=logp)
+            logp_1 = scatter(gather_logprobs(student.logits[None], ids[None, :, None])[0, :, 0], sel)  # [b, L]
+        if self.loss != "topk_forward_kl":
+            return DistillInputs(logp_1, mb.teacher_logp[:, 1:], sel)
+        assert mb.teacher_top_ids is not None and mb.teacher_top_logp is not None
+        s_top = gather_logprobs(student.logits[None], mb.teacher_top_ids[:, 1:][sel][None])[0]  # [n, K] at T = 1
+        return DistillInputs(logp_1, mb.teacher_logp[:, 1:], sel, s_top, mb.teacher_top_logp[:, 1:][sel])
+
+    def term(self, inputs: DistillInputs, sample_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+             agg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """coef · agg(ℓ_distill) [], and the per-token ``teacher/*`` metrics.
+
+        sample_logp: [b, L] the student's log-probs of the sampled tokens at the sampling temperature (the
+        importance ratio's q_τ); behav_logp: [b, L] the engine's (μ); mask: [b, L]; agg: the policy-gradient term's
+        aggregation arguments (mode, denom, norm_len)."""
+        tok, m = reverse_kl_loss(inputs.student_logp, inputs.teacher_logp, behav_logp, mask, estimator=self.estimator,
+                                 sample_logp=sample_logp)  # [b, L]
         metrics = {"teacher/kl": m["kl"]}
         if self.loss == "topk_forward_kl":
-            assert mb.teacher_top_ids is not None and mb.teacher_top_logp is not None
-            t_top = mb.teacher_top_logp[:, 1:][sel]  # [n, K]
-            s_top = gather_logprobs(logits[None], mb.teacher_top_ids[:, 1:][sel][None])[0]  # [n, K] at T = 1
+            s_top, t_top = inputs.student_top_logp, inputs.teacher_top_logp  # [n, K]
+            assert s_top is not None and t_top is not None
             kl_n, m_top = topk_forward_kl(s_top[None], t_top[None], torch.isfinite(t_top)[None],
                                           torch.ones_like(t_top[None, :, 0]))  # [1, n]
-            tok = kl_n.new_zeros(sel.shape).masked_scatter(sel, kl_n[0])  # [b, T-1]
+            tok = scatter(kl_n[0], inputs.sel)  # [b, L]
             metrics.update({f"teacher/{k}": v for k, v in m_top.items()})
         metrics["teacher/loss"] = aggregate(tok.detach(), mask, "token_mean")
-        term = self.coef * aggregate(tok, mask, **agg)
-        return (pg_loss + term if self.rl_loss else term), metrics
+        return self.coef * aggregate(tok, mask, **agg), metrics

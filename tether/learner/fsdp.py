@@ -2,7 +2,7 @@
 parallel over ranks, its parameters, gradients and AdamW moments sharded by PyTorch's ``fully_shard``.
 
     ranks = init_ranks()                                  # torchrun's env; gloo on CPU, NCCL on GPU
-    learner = sharded_learner(model, cfg, ranks)          # every rank, the same model and config
+    learner = sharded_learner(model, ranks, lc, po, ...)  # every rank, the same model and sections
     learner.train_step(trajectories, advantages)          # every rank, the same trajectories
     weights = learner.state_dict_for_engine()             # every rank (a collective); whole tensors
 
@@ -48,7 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from tether.config import RunConfig
+from tether.config.actor import ActorWorkerConfig
+from tether.config.policy import PolicyOptimConfig
+from tether.config.sections import LearnerConfig
+from tether.config.teacher import TeacherConfig
 from tether.learner.learner import Learner
 from tether.learner.ranks import Ranks, full_tensor
 
@@ -119,15 +122,18 @@ def shard_model(model: Any, mesh: DeviceMesh | None = None, *, param_dtype: torc
     return model
 
 
-def sharded_learner(model: Any, cfg: RunConfig, ranks: Ranks, *,
+def sharded_learner(model: Any, ranks: Ranks, lc: LearnerConfig, po: PolicyOptimConfig, *, temperature: float,
+                    max_response_tokens: int, teacher: TeacherConfig | None = None, worker: str = "ActorWorker",
                     param_dtype: torch.dtype | None = None) -> Learner:
-    """A Learner whose model (and KL reference, when KL is on) is sharded over ``ranks`` by ``shard_model``.
+    """A Learner (the arguments after ``ranks`` are ``Learner``'s) whose model, and KL reference when KL is on, is
+    sharded over ``ranks`` by ``shard_model``.
 
     Call it on every rank with the same model weights; the model is sharded in place."""
     ref: Any = None
-    if cfg.policy_optimization.kl_control.type != "none":
+    if po.kl_control.type != "none":
         ref = shard_model(copy.deepcopy(model).requires_grad_(False), param_dtype=param_dtype)
-    learner = Learner(shard_model(model, param_dtype=param_dtype), ref, cfg)
+    learner = Learner(shard_model(model, param_dtype=param_dtype), ref, lc, po, temperature=temperature,
+                      max_response_tokens=max_response_tokens, teacher=teacher, worker=worker)
     learner.ranks = ranks
     return learner
 
@@ -140,17 +146,21 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------- in a run
 
 
-def run_learner(model: Any, cfg: RunConfig) -> Learner:
+def run_learner(model: Any, lc: LearnerConfig, po: PolicyOptimConfig, actor_worker: ActorWorkerConfig, *,
+                temperature: float, max_response_tokens: int, teacher: TeacherConfig | None = None) -> Learner:
     """The run's learner as ``actor_worker.strategy`` lays it out: plain (``none``), or sharded by FSDP2 over the
-    trainer's one rank (a process group of one is started when none is running: gloo on CPU, NCCL on GPU)."""
-    if cfg.actor_worker.strategy not in STRATEGIES:
-        return Learner(model, None, cfg)
+    trainer's one rank (a process group of one is started when none is running: gloo on CPU, NCCL on GPU). The
+    other arguments are ``Learner``'s."""
+    if actor_worker.strategy not in STRATEGIES:
+        return Learner(model, None, lc, po, temperature=temperature, max_response_tokens=max_response_tokens,
+                       teacher=teacher, worker=actor_worker.class_)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        raise RuntimeError(f"actor_worker.strategy: {cfg.actor_worker.strategy} with WORLD_SIZE={world}: a run trains "
+        raise RuntimeError(f"actor_worker.strategy: {actor_worker.strategy} with WORLD_SIZE={world}: a run trains "
                            "with one trainer process (several ranks need their rollouts sent to every rank, which is "
                            "not built); launch the run as one process, without torchrun")
-    return sharded_learner(model, cfg, init_ranks())
+    return sharded_learner(model, init_ranks(), lc, po, temperature=temperature,
+                           max_response_tokens=max_response_tokens, teacher=teacher, worker=actor_worker.class_)
 
 
 def _free_port() -> int:

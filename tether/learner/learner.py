@@ -12,14 +12,13 @@ Batch vocabulary (``learner`` section; every unit is *trajectories*):
 
 One optimizer update: for each micro-batch, forward the policy, take log_softmax(logits / T) of the sampled
 tokens (T = ``engine.temperature``, the rollout engine's definition; T = 0, greedy, is scored at T = 1 as the
-engine does), and back-propagate
+engine does; ``logits.forward``), and back-propagate ``loss_fn`` (``loss.py``, a pure function of ``LossInputs``)
 
-    loss = agg(policy_loss_fn(logp, prox_logp, A, mask, weights=w)) − entropy_coef · agg(H)
+    loss = agg(policy_loss(logp, prox_logp, A, mask, weights=w)) − entropy_coef · agg(H)
            + kl_coef · agg(KL̂(π_θ ‖ π_ref))
-           + teacher.coef · agg(ℓ_distill)   (with a teacher; alone when teacher.rl_loss is false:
-                                              ``tether.teacher.objective``)
+           + teacher.coef · agg(ℓ_distill)   (with a teacher; alone when teacher.rl_loss is false: ``distill.py``)
 
-where the loss, its aggregation and the off-policy correction w come from the config (``objective.py``): with a
+where the loss, its aggregation and the off-policy correction w come from the ``Objective`` (``objective.py``): with a
 correction, π_prox is the policy at the start of the step and w = f(π_prox / π_behav) corrects for the engine's
 behaviour policy; without one, prox_logp = the behaviour logprobs. π_prox of the first mini-batch is the detached
 logp of its own first forward (the weights have not moved yet: the demo's one update per step needs no extra pass);
@@ -40,10 +39,11 @@ step of one update on fresh weights can also be fed group by group as the rollou
 Then clip, and step AdamW unless something was non-finite (``optim.PolicyOptimizer``).
 
 Mini-batches are taken in the order the trajectories were given (no shuffling), so a group stays together
-and a run is reproducible. ``policy_loss_fn`` and ``loss_agg_mode`` are plain attributes (any
-``tether.algo.PolicyLossFn`` may replace the loss). ``kl_coef`` is the KL controller's value: fixed, or steered
-towards ``kl_control.target_kl`` after every step (``tether.algo.kl_control``); once an update of a step measures
-a KL above ``kl_control.max_kl`` the step's remaining updates are skipped (``optim/kl_guard_stops``).
+and a run is reproducible. ``objective`` is a plain attribute (``dataclasses.replace(learner.objective,
+policy_loss=fn)``: any ``tether.algo.PolicyLossFn`` may replace the loss). ``kl_coef`` is the KL controller's
+value: fixed, or steered towards ``kl_control.target_kl`` after every step (``tether.algo.kl_control``); once an
+update of a step measures a KL above ``kl_control.max_kl`` the step's remaining updates are skipped
+(``optim/kl_guard_stops``).
 
 Metrics of a step (returned and recorded):
     optim/loss             mean over updates of the mini-batch loss (pg − entropy + KL terms)
@@ -72,30 +72,23 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from tether.algo import (
-    PolicyLossFn,
-    aggregate,
-    entropy_bonus,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-)
-from tether.algo.aggregation import AggMode
 from tether.algo.kl_control import exceeds_max_kl, kl_controller
-from tether.config import RunConfig
+from tether.config.policy import PolicyOptimConfig
+from tether.config.sections import LearnerConfig
+from tether.config.teacher import TeacherConfig
 from tether.learner.accumulate import Accumulation, weighted_mean
 from tether.learner.batch import TrainBatch
 from tether.learner.detach import make_worker
-from tether.learner.logits import token_logits
+from tether.learner.distill import Distillation
+from tether.learner.logits import forward
 from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
 from tether.learner.ranks import Ranks, full_tensor
 from tether.metrics import record_metric
-from tether.teacher.objective import Distillation
 from tether.types import Trajectory
 
 if TYPE_CHECKING:
@@ -103,7 +96,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOSS_METRICS = ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "cispo_clip_ratio")  # from the policy loss
 # metrics that are a state, not an average
 _LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}
 
@@ -113,22 +105,25 @@ class Learner:
 
     ``ref_model``: the KL reference; None = a deep copy of ``model`` as given. Unused (dropped) when
     ``kl_control.type`` is "none". ``version`` counts completed trainer steps, skipped updates included.
+
+    ``lc``: the ``learner`` section (batching, off-policy correction); ``po``: ``policy_optimization``;
+    ``temperature``: ``engine.temperature``, the sampling one; ``max_response_tokens``: the plan's (Dr. GRPO's
+    constant length); ``teacher``: the ``teacher`` section (None or disabled: no distillation); ``worker``:
+    ``actor_worker.class``.
     """
 
-    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, cfg: RunConfig):
-        lc, po = cfg.learner, cfg.policy_optimization
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, lc: LearnerConfig,
+                 po: PolicyOptimConfig, *, temperature: float, max_response_tokens: int,
+                 teacher: TeacherConfig | None = None, worker: str = "ActorWorker"):
         self.model = model
         self.batch_size = lc.batch_size
         self.mini_batch_size = lc.mini_batch_size
         self.gradient_accumulation_steps = lc.gradient_accumulation_steps
         self.epochs = lc.update_frequency
-        self.temperature = cfg.engine.temperature if cfg.engine.temperature > 0 else 1.0
+        self.temperature = temperature if temperature > 0 else 1.0
         self.entropy_coef = po.exploration.entropy_coef
-        self.objective = Objective.from_config(cfg)
-        self.distill = Distillation.from_config(cfg)  # the teacher's term (``tether.teacher.objective``), or None
-        self.loss_agg_mode: AggMode = self.objective.agg_mode
-        self.norm_len: int = self.objective.norm_len  # Dr. GRPO's constant (objective.max_response_tokens)
-        self.policy_loss_fn: PolicyLossFn = self.objective.policy_loss
+        self.objective = Objective.from_config(po, lc.off_policy_correction, max_response_tokens)
+        self.distill = Distillation.from_config(teacher) if teacher is not None else None  # the teacher's term
         kc = po.kl_control
         kl_on = kc.type != "none"
         self.kl_estimator = kc.estimator
@@ -148,7 +143,7 @@ class Learner:
         self.ranks = Ranks()  # one process; tether.learner.fsdp.sharded_learner sets this rank's place among several
         # actor_worker.class: DetachActorWorker keeps π_prox at the last sync's weights (tether.learner.detach);
         # the initial weights are those the rollout engine starts from
-        self.worker = make_worker(cfg.actor_worker.class_, model, self.optimizer)
+        self.worker = make_worker(worker, model, self.optimizer)
         self.worker.on_sync(self.version)
         log.info("learner: %s", self.describe())
 
@@ -278,9 +273,7 @@ class Learner:
                 # a rank with no rows here scores a stand-in row (FSDP needs the same forwards on every rank)
                 mb = (batch.slice(lo, hi) if hi > lo else batch.slice(start, start + 1)).to(device)
                 sel = mb.loss_mask[:, 1:] > 0  # [b, t-1]
-                logits = token_logits(self.model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
-                logp = _scatter(logprobs_from_logits(logits[None], mb.input_ids[:, 1:][sel][None],
-                                                     self.temperature)[0], sel)  # [b, t-1]
+                logp = forward(self.model, mb.input_ids, mb.attention_mask, sel, self.temperature).logp  # [b, t-1]
                 out[lo:hi, 1:mb.input_ids.shape[1]] = logp.float().cpu()
         self.model.train(was_training)
         return self.ranks.sum(out)  # every rank's rows (out itself in one process)
@@ -294,60 +287,11 @@ class Learner:
         update.add(mini)
         return update.apply(acc)
 
-    def _micro_loss(self, mb: TrainBatch,
-                    prox_from_forward: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's loss *undivided* (denominator 1: ``Accumulation`` divides the summed gradient by the
-        whole mini-batch's), and its per-token metrics."""
-        ids = mb.input_ids[:, 1:]  # [b, T-1] targets: logits at t-1 predict token t
-        mask = mb.loss_mask[:, 1:]  # [b, T-1]
-        sel = mask > 0  # [b, T-1] the positions the loss reads; logits are computed there only
-        behav_logp = mb.old_logp[:, 1:]  # [b, T-1] the engine's
-        logits = token_logits(self.model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
-        logp = _scatter(logprobs_from_logits(logits[None], ids[sel][None], self.temperature)[0], sel)  # [b, T-1]
-        if prox_from_forward:
-            prox_logp = logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
-        else:
-            prox_logp = mb.prox_logp[:, 1:] if mb.prox_logp is not None else behav_logp  # [b, T-1]
-        agg: dict[str, Any] = dict(mode=self.loss_agg_mode, denom=1.0,
-                                   norm_len=self.norm_len if self.loss_agg_mode == "seq_mean_token_sum_norm" else None)
-
-        scored = prox_from_forward or mb.prox_logp is not None  # π_prox ≠ π_behav: the correction applies
-        weights, m_is = self.objective.weights(prox_logp, behav_logp, mask) if scored else (None, {})
-        pg_tok, m_pg = self.policy_loss_fn(logp, prox_logp, mb.advantages, mask, weights=weights)  # [b, T-1]
-        loss = aggregate(pg_tok, mask, **agg)
-        metrics = {f"optim/{k}": m_pg[k] for k in _LOSS_METRICS if k in m_pg}
-        metrics.update({f"optim/{k}": m_is[k] for k in ("is_ratio_mean", "is_masked_fraction") if k in m_is})
-        if self.distill is not None:  # + coef · distillation, or it alone (teacher.rl_loss: false)
-            loss, m_teacher = self.distill.combine(loss, logits, sel, logp, mb, self.temperature, agg)
-            metrics.update(m_teacher)
-
-        with torch.set_grad_enabled(self.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = _scatter(entropy_from_logits(logits[None], self.temperature)[0], sel)  # [b, T-1]
-        ent_term, m_ent = entropy_bonus(entropy, mask, coef=self.entropy_coef, **agg)
-        metrics["optim/entropy"] = m_ent["entropy"]
-        if self.entropy_coef > 0:
-            loss = loss + ent_term
-
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logits = token_logits(self.ref_model, mb.input_ids, mb.attention_mask, sel)  # [n, V]
-                ref_logp = _scatter(logprobs_from_logits(ref_logits[None], ids[sel][None], self.temperature)[0],
-                                    sel)  # [b, T-1]
-            kl_term, m_kl = kl_penalty(logp, ref_logp, mask, coef=self.kl_coef, kind=self.kl_estimator, **agg)
-            loss = loss + kl_term
-            metrics["optim/kl_divergence"] = m_kl["kl"]
-        return loss, metrics
-
     # ------------------------------------------------------------------------------------------ weights
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
         return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
-
-
-def _scatter(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """``values`` [n] laid out at the True positions of ``sel`` [b, L], 0 elsewhere (differentiable)."""
-    return values.new_zeros(sel.shape).masked_scatter(sel, values)
 
 
 def _no_dropout(model: torch.nn.Module) -> bool:

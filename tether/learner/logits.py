@@ -1,4 +1,5 @@
-"""The logits a policy loss reads, and no others: ``token_logits``.
+"""The logits a policy loss reads, and no others: ``token_logits``; and the one path from them to the sampled tokens'
+log-probabilities (and entropy) that the learner's scoring, its loss and its KL reference all take: ``forward``.
 
 The loss of a trajectory reads the logits that predict its model-sampled tokens (loss mask 1) and nothing else, and
 in an agentic rollout most tokens are not those: the system prompt, the tool list, tool results, the user's turns.
@@ -11,10 +12,41 @@ on fewer positions: the logits and gradients agree with it to float rounding (``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+
+from tether.algo import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A micro-batch's forward at the loss positions ``sel`` (shifted: position t predicts token t+1)."""
+
+    logits: torch.Tensor  # [n, V] raw logits at the selected positions, n = sel.sum()
+    logp: torch.Tensor  # [b, T-1] log_softmax(logits / T) of the sampled tokens, 0 where sel is False
+    sel: torch.Tensor  # [b, T-1] bool
+    temperature: float  # T: the sampling temperature the log-probabilities are taken at
+
+    def entropy(self) -> torch.Tensor:
+        """H(softmax(logits / T)) at the selected positions, [b, T-1] (0 elsewhere); with grad where it is on."""
+        return scatter(entropy_from_logits(self.logits[None], self.temperature)[0], self.sel)
+
+
+def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sel: torch.Tensor,
+            temperature: float) -> Forward:
+    """``model``'s log-probabilities of the tokens ``input_ids[:, 1:]`` at the positions ``sel`` [b, T-1], at
+    ``temperature``: the logits there (``token_logits``), their log-softmax gathered at the sampled tokens."""
+    logits = token_logits(model, input_ids, attention_mask, sel)  # [n, V]
+    logp = logprobs_from_logits(logits[None], input_ids[:, 1:][sel][None], temperature)[0]  # [n]
+    return Forward(logits, scatter(logp, sel), sel, temperature)
+
+
+def scatter(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``values`` [n] laid out at the True positions of ``sel`` [b, L], 0 elsewhere (differentiable)."""
+    return values.new_zeros(sel.shape).masked_scatter(sel, values)
 
 
 def token_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -25,14 +25,14 @@ Clip range and dual clip: ε_low = ``policy_optimization.clip_ratio_low`` (else 
 losses (grpo, dapo, dr_grpo, grpo_variant, and gspo on its sequence ratio). CISPO clips the weight, not the
 update — no token's loss grows without bound with r — so c does not apply to it and is not passed.
 
-Dr. GRPO's length normaliser (``seq_mean_token_sum_norm``) is ``max_response_tokens(cfg)`` =
-``engine.max_tokens`` × ``agent_loop.max_assistant_turns``: the most model-sampled (mask-1) tokens one trajectory
-can hold, fixed by the config, so the normaliser is the same constant at every step whatever the batch's
-lengths. It plays the role of Dr. GRPO's "max generation length", TRL's ``max_completion_length`` (single turn:
-``max_tokens`` exactly) and verl's constant ``loss_scale_factor`` (verl's default, ``loss_mask.shape[-1]``, is
-the padded length of the micro-batch and changes with the data). Tool and user tokens (mask 0) are not counted:
-they add nothing to the numerator either. ``environment.state.context_window`` can cut an episode sooner; the
-normaliser stays the configured bound.
+Dr. GRPO's length normaliser (``seq_mean_token_sum_norm``) is the plan's ``max_response_tokens`` =
+``engine.max_tokens`` × ``agent_loop.max_assistant_turns`` (``tether.config.plan``): the most model-sampled
+(mask-1) tokens one trajectory can hold, fixed by the config, so the normaliser is the same constant at every step
+whatever the batch's lengths. It plays the role of Dr. GRPO's "max generation length", TRL's
+``max_completion_length`` (single turn: ``max_tokens`` exactly) and verl's constant ``loss_scale_factor`` (verl's
+default, ``loss_mask.shape[-1]``, is the padded length of the micro-batch and changes with the data). Tool and
+user tokens (mask 0) are not counted: they add nothing to the numerator either. ``environment.state.context_window``
+can cut an episode sooner; the normaliser stays the configured bound.
 """
 
 from __future__ import annotations
@@ -47,12 +47,8 @@ import torch
 from tether.algo.aggregation import AggMode
 from tether.algo.correction import ISLevel, ISMethod, is_weights
 from tether.algo.variants import algorithm_spec, cispo_surrogate
-from tether.config import RunConfig
-
-
-def max_response_tokens(cfg: RunConfig) -> int:
-    """The most model-sampled tokens one trajectory can hold: ``max_tokens`` per turn × assistant turns."""
-    return cfg.engine.max_tokens * cfg.agent_loop.max_assistant_turns
+from tether.config.policy import PolicyOptimConfig
+from tether.config.sections import OffPolicyCorrectionConfig
 
 
 @dataclass(frozen=True)
@@ -67,8 +63,9 @@ class Objective:
     norm_len: int  # Dr. GRPO's constant length (used by seq_mean_token_sum_norm only)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> Objective:
-        po, opc = cfg.policy_optimization, cfg.learner.off_policy_correction
+    def from_config(cls, po: PolicyOptimConfig, opc: OffPolicyCorrectionConfig, max_response_tokens: int) -> Objective:
+        """``po``: ``policy_optimization``; ``opc``: ``learner.off_policy_correction``; ``max_response_tokens``:
+        the plan's (Dr. GRPO's constant length)."""
         spec = algorithm_spec(po.algorithm)
         clip_low = po.clip_ratio_low if po.clip_ratio_low is not None else opc.clip_ratio
         clip_high = po.exploration.clip_higher
@@ -85,7 +82,7 @@ class Objective:
         else:
             method = "truncated" if (opc.method == "truncated_importance_sampling" or opc.tis_enabled) else "none"
         return cls(po.algorithm, loss, po.loss_agg_mode or spec.agg_mode, method,
-                   "token" if opc.token_level_clipping else "sequence", opc.clip_ratio, cap, max_response_tokens(cfg))
+                   "token" if opc.token_level_clipping else "sequence", opc.clip_ratio, cap, max_response_tokens)
 
     @property
     def needs_prox(self) -> bool:

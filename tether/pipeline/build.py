@@ -247,10 +247,12 @@ class Run:
         try:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
-            learner = run_learner(rt.model, cfg)  # actor_worker.strategy: plain, or sharded by FSDP2
+            learner = run_learner(rt.model, cfg.learner, po, cfg.actor_worker, temperature=cfg.engine.temperature,
+                                  max_response_tokens=plan.max_response_tokens, teacher=cfg.teacher)  # plain or FSDP2
             # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
-            engine_threads = (rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlaps(cfg, learner)
-                              else None)
+            overlap = overlaps(learner, po.advantage.normalization, overlap_rollout=cfg.learner.overlap_rollout,
+                               mode=plan.mode)
+            engine_threads = rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlap else None
             sampler = TaskSampler(rt.tasks("train"), plan.prompts_per_step, plan.seed)
             allocator = RolloutAllocator(po.rollout_allocation, plan.group_size,
                                          kinds={t.id: t.kind for t in sampler.tasks})

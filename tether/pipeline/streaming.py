@@ -9,6 +9,9 @@ rollout's tail instead of following it. When the rollout is done the trainer tak
 is trained: the step's groups, their advantages and the single update are those of ``Learner.train_step`` (to float
 rounding: the gradient is summed in another order).
 
+Advantages. Each group's advantages are computed once (``advantages``, the one function for a group and for a
+whole batch): as it is trained when the step streams, all together when it does not (``StepUpdate.advantages``).
+
 Order. Groups are trained as they finish; with ``trainer.deterministic`` in the order of the step's task list
 (a group waits for those before it), so that a run repeats bit for bit. In the async modes the groups are
 produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
@@ -33,23 +36,40 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tether.algo import group_advantages
-from tether.config import RunConfig
+from tether.algo.advantages import Normalization
+from tether.config.policy import AdvantageConfig
 from tether.learner.accumulate import Accumulation
 from tether.learner.learner import Learner
 from tether.metrics import record_metric
 from tether.pipeline.shaping import Produced
-from tether.types import Trajectory
+from tether.types import Group, Trajectory
 
 
-def streams(cfg: RunConfig, learner: Learner) -> bool:
+def advantages(groups: Sequence[Group], normalization: Normalization,
+               min_std: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group-relative advantages of the trajectories of ``groups``, in order ([N]), and the fraction of those
+    groups that are degenerate (reward std ≤ ``min_std``, singletons included; []): ``group_advantages`` with the
+    ``policy_optimization.advantage`` section's values. One function for one group trained as it finishes and for a
+    step's whole batch: unless normalised over the batch, a group's advantages are its own either way.
+
+    The rewards are taken in float32 (the learner trains on float32 advantages); the advantages come back in
+    float64, so that a step's ``optim/advantage_std`` over groups computed one by one is the whole batch's."""
+    rewards = torch.tensor([t.reward for g in groups for t in g.trajectories], dtype=torch.float32)  # [N]
+    adv, m = group_advantages(rewards.double(), group_sizes=[len(g.trajectories) for g in groups],
+                              normalization=normalization, min_std=min_std)
+    return adv, m["degenerate_group_ratio"]
+
+
+def streams(learner: Learner, normalization: Normalization) -> bool:
     """Whether a step is fed group by group: one update on fresh weights (``Learner.streams``) and each group's
-    advantages its own (not normalised over the batch)."""
-    return learner.streams and cfg.policy_optimization.advantage.normalization != "batch"
+    advantages its own (``normalization``, ``policy_optimization.advantage``'s: not over the batch)."""
+    return learner.streams and normalization != "batch"
 
 
-def overlaps(cfg: RunConfig, learner: Learner) -> bool:
-    """Whether the learner trains beside the rollout in this run (``learner.overlap_rollout`` where it can act)."""
-    return cfg.learner.overlap_rollout and cfg.rollout.mode == "sync" and streams(cfg, learner)
+def overlaps(learner: Learner, normalization: Normalization, *, overlap_rollout: bool, mode: str) -> bool:
+    """Whether the learner trains beside the rollout in this run: ``learner.overlap_rollout`` where it can act
+    (``mode``, ``rollout.mode``: sync, and a step that ``streams``)."""
+    return overlap_rollout and mode == "sync" and streams(learner, normalization)
 
 
 def _trainable(produced: Produced) -> bool:
@@ -68,16 +88,21 @@ class StepUpdate:
     A learner whose step is several updates (or advantages normalised over the batch) is not fed group by group:
     ``train`` then calls ``Learner.train_step`` on the whole batch."""
 
-    def __init__(self, cfg: RunConfig, learner: Learner, engine_threads: Callable[[int], object] | None = None):
-        """``engine_threads(n)``: give the rollout engine n torch threads (from its next step on); None = leave it."""
+    def __init__(self, learner: Learner, advantage: AdvantageConfig, *, overlap_rollout: bool, mode: str,
+                 ordered: bool, engine_threads: Callable[[int], object] | None = None):
+        """``advantage``: the ``policy_optimization.advantage`` section; ``overlap_rollout`` and ``mode``:
+        ``learner.overlap_rollout`` and ``rollout.mode`` (``overlaps``); ``ordered``: ``trainer.deterministic``
+        (groups trained in task order); ``engine_threads(n)``: give the rollout engine n torch threads (from its next
+        step on); None = leave it."""
         self.learner, self.engine_threads = learner, engine_threads
-        adv = cfg.policy_optimization.advantage
-        self.normalization, self.min_std = adv.normalization, adv.degenerate_group_filter.min_reward_std
-        self.streams, self.overlap = streams(cfg, learner), overlaps(cfg, learner)
+        self.normalization, self.min_std = advantage.normalization, advantage.degenerate_group_filter.min_reward_std
+        self.streams = streams(learner, self.normalization)
+        self.overlap = overlaps(learner, self.normalization, overlap_rollout=overlap_rollout, mode=mode)
         self.threads, self.all_threads = split_threads(), torch.get_num_threads()  # read in the trainer's thread
-        self.ordered = cfg.trainer.deterministic
+        self.ordered = ordered
         self.update: Accumulation | None = None
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
+        self._advantages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Produced) -> ``advantages`` of it
         self._held: dict[int, Produced] = {}  # ordered mode: finished groups waiting for earlier ones
         self._next = 0  # ordered mode: the next index to release
         self._todo: queue.SimpleQueue[Produced] = queue.SimpleQueue()
@@ -136,12 +161,36 @@ class StepUpdate:
         with self._lock:
             if self.update is None:
                 self.update = self.learner.begin_step()
-            trajs = produced.group.trajectories
-            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-            adv, _ = group_advantages(rewards, group_sizes=[len(trajs)], normalization=self.normalization,
-                                      min_std=self.min_std)
-            self.update.add_trajectories(trajs, adv)
+            self.update.add_trajectories(produced.group.trajectories, self._group_advantages(produced)[0].float())
             self.trained.append(id(produced))
+
+    def _group_advantages(self, produced: Produced) -> tuple[torch.Tensor, torch.Tensor]:
+        """``advantages`` of one group, computed the first time it is asked for (under ``_lock``)."""
+        if id(produced) not in self._advantages:
+            self._advantages[id(produced)] = advantages([produced.group], self.normalization, self.min_std)
+        return self._advantages[id(produced)]
+
+    def advantages(self, produced: Sequence[Produced]) -> tuple[list[Trajectory], torch.Tensor]:
+        """The step's trajectories to train (those of the groups not dropped, in order) and their advantages [N],
+        each group's computed once: a streamed group's when it is trained (if it was, they are not computed again),
+        otherwise all together. Records ``optim/advantage_std``, ``optim/degenerate_group_ratio`` and
+        ``optim/nonzero_advantage_ratio``."""
+        kept = [p for p in produced if _trainable(p)]
+        trajs = [t for p in kept for t in p.group.trajectories]
+        if not kept:
+            return trajs, torch.zeros(0)
+        if self.streams:
+            with self._lock:  # the worker may be adding a group (and computing its advantages) now
+                parts = [self._group_advantages(p) for p in kept]
+            adv = torch.cat([a for a, _ in parts])  # [N] float64
+            degenerate = torch.stack([d for _, d in parts]).double().mean()  # [] the groups' 0/1 values, averaged
+        else:
+            adv, degenerate = advantages([p.group for p in kept], self.normalization, self.min_std)
+        record_metric("optim/advantage_std", float(adv.std().float()) if len(adv) > 1 else 0.0)
+        record_metric("optim/degenerate_group_ratio", float(degenerate.float()))
+        adv = adv.float()  # [N] the values the learner trains on
+        record_metric("optim/nonzero_advantage_ratio", float((adv.abs() > 1e-6).float().mean()))  # of trajectories
+        return trajs, adv
 
     def _stop_worker(self) -> None:
         self._handoff.set()

@@ -18,9 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from tether.algo import group_advantages
 from tether.config import RunConfig
 from tether.metrics import record_metric
 from tether.pipeline.build import RemoteParts, Run
@@ -29,7 +26,6 @@ from tether.pipeline.monitors import MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
 from tether.pipeline.streaming import StepUpdate
-from tether.types import Group, Trajectory
 
 
 @dataclass
@@ -55,12 +51,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         for step in range(run.start + 1, tr.total_steps + 1):
             t0, busy = time.perf_counter(), run.rt.engine.stats["busy_s"]
             # sync mode: each group trained as it finishes
-            with StepUpdate(cfg, run.learner, run.engine_threads) as update:
+            with StepUpdate(run.learner, cfg.policy_optimization.advantage, mode=run.plan.mode,
+                            overlap_rollout=cfg.learner.overlap_rollout, ordered=run.plan.deterministic,
+                            engine_threads=run.engine_threads) as update:
                 batch = run.source.next_batch(step, on_group=update.offer)
                 fault("batch", step)
                 if (warning := no_signal_warning(batch.produced, step)) is not None:
                     run.progress.warn(warning)
-                trajs, adv = advantages(cfg, batch.groups)
+                trajs, adv = update.advantages(batch.produced)  # each group's once (a streamed one's as it trained)
                 if not update.train(batch.produced, trajs, adv):  # records the optim/* metrics
                     run.learner.skip_step()  # every group was dropped by the degenerate-group filter
             run.allocator.observe(batch.groups, step)
@@ -91,22 +89,6 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
 
 def _due(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
-
-
-def advantages(cfg: RunConfig, groups: list[Group]) -> tuple[list[Trajectory], torch.Tensor]:
-    """Group-relative advantages of every trajectory of ``groups`` (``policy_optimization.advantage``)."""
-    trajs = [t for g in groups for t in g.trajectories]
-    if not groups:
-        return trajs, torch.zeros(0)
-    adv_cfg = cfg.policy_optimization.advantage
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    adv, m = group_advantages(rewards, group_sizes=[len(g.trajectories) for g in groups],
-                              normalization=adv_cfg.normalization,
-                              min_std=adv_cfg.degenerate_group_filter.min_reward_std)
-    record_metric("optim/advantage_std", float(m["advantage_std"]))
-    record_metric("optim/degenerate_group_ratio", float(m["degenerate_group_ratio"]))
-    record_metric("optim/nonzero_advantage_ratio", float((adv.abs() > 1e-6).float().mean()))  # of trajectories
-    return trajs, adv
 
 
 def step_metrics(run: Run, elapsed: float, engine_busy_before: float, wait_s: float, trained: int) -> None:

@@ -4,6 +4,7 @@
     → the group reaches the trainer → ``Distillation`` adds coef · distill to the loss (or replaces the RL term)
 
 Files: ``scorer.py`` (the local and remote teachers, scoring as trajectories finish), ``tokenizer.py`` (the
-shared-tokenizer check at start), ``objective.py`` (the learner's side: batch tensors, loss term, metrics).
-The losses are pure functions in ``tether.algo.distill``; the config is ``tether.config.teacher``.
+shared-tokenizer check at start). The learner's side (batch tensors, loss term, metrics) is
+``tether.learner.distill``, so that the learner never imports this package; the losses are pure functions in
+``tether.algo.distill``; the config is ``tether.config.teacher``.
 """
