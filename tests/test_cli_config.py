@@ -35,7 +35,7 @@ def test_config_prints_resolved_yaml(tmp_path):
     assert data["rollout"]["mode"] == "fully_async"
     assert data["agent_loop"]["max_parallel_calls"] == 4
     assert data["tool_parser"]["stop_token_ids"] == [1, 2]
-    assert data["trainer"]["class"] == "FullyAsyncTrainer"
+    assert "class" not in data["trainer"] and "rollouter" not in data  # the pipeline is held once: rollout.mode
     assert data["policy_optimization"]["optimizer"]["lr"] == 1e-6
     assert not REFUSED_SECTIONS & set(data)
     assert "# derived: samples_per_step=64, prompts_per_step=8" in result.stdout
@@ -47,7 +47,7 @@ def test_fully_async_seed_alone_resolves_to_fully_async():
     assert SEEDS[3].name == "fully_async_ppo.yaml" and result.exit_code == 0, result.output
     data = yaml.safe_load(result.stdout)
     assert data["rollout"]["mode"] == "fully_async"
-    assert (data["trainer"]["class"], data["rollouter"]["class"]) == ("FullyAsyncTrainer", "FullyAsyncRollouter")
+    assert "class" not in data["trainer"] and "rollouter" not in data  # the seed's class keys: folded into the mode
 
 
 def test_separation_seed_loads_with_its_pools():

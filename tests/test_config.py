@@ -18,7 +18,10 @@ from tether.config import (
     Section,
     load_config,
 )
+from tether.config.aliases import SECTIONS as ALIAS_SECTIONS
+from tether.config.sections import PIPELINES
 from tether.config.support import REFUSED_SECTIONS
+from tether.secrets import redact_by_name
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = ["agent_loop_config.yaml", "async_pipeline.yaml", "env_config.yaml",
@@ -65,8 +68,8 @@ def test_each_seed_file_loads_or_names_its_unbuilt_keys(where, name, tmp_path):
     else:
         load_config([path])
     data = yaml.safe_load(path.read_text())
-    for section in data:  # every top-level key of the file is a section of the config
-        assert section in RunConfig.model_fields
+    for section in data:  # every top-level key of the file is a section of the config (or of its aliases)
+        assert section in RunConfig.model_fields or (section,) in ALIAS_SECTIONS
     RunConfig.model_validate(data)  # the refused sections keep their typed shape too
 
 
@@ -79,12 +82,12 @@ def test_all_seeds_merged_spot_checks(where, tmp_path):
     lr = cfg.policy_optimization.optimizer.lr
     assert lr == 1e-6 and type(lr) is float  # PyYAML reads `1e-6` as a string
     assert cfg.trainer.trigger_parameter_sync_step == 4
-    assert cfg.trainer.class_ == "FullyAsyncTrainer"
+    assert PIPELINES[cfg.rollout.mode][0] == "FullyAsyncTrainer"
     assert cfg.tool_parser.name == "function_call_parser" and cfg.tool_parser.stop_token_ids == [128009]
     assert cfg.learner.off_policy_correction.method == "double_sided_importance_sampling"
     assert cfg.environment.action_space[1].params == ["order_id", "reason_code"]
     assert cfg.environment.verifier.model_based[0].rubric == "response_quality"
-    assert cfg.rollouter.max_queue_size == cfg.message_queue.max_queue_size == 512
+    assert cfg.message_queue.max_queue_size == 512 and not hasattr(cfg, "rollouter")  # held once
     assert cfg.derived() == {"samples_per_step": 64, "prompts_per_step": 8, "group_size": 8,
                              "optimizer_updates_per_step": 8, "micro_batch_size": 4, "eval_tasks": 64}
 
@@ -190,20 +193,73 @@ def test_trainer_step_keys_set_the_learner_batch(tmp_path):
     cfg = load_config([write(tmp_path, "t.yaml", "trainer: {ppo_mini_batch_size: 10, require_batches: 2}\n"
                                                  "policy_optimization: {advantage: {group_size: 4}}\n")])
     assert (cfg.learner.batch_size, cfg.learner.mini_batch_size) == (20, 10)  # 8 does not: one update per queue batch
-    cfg = load_config([], ["learner.batch_size=24"])  # learner side only: the trainer follows
-    assert (cfg.trainer.ppo_mini_batch_size, cfg.trainer.require_batches) == (12, 2)
+    cfg = load_config([], ["learner.batch_size=24"])  # learner side only: the trainer's queue batch follows
+    assert (cfg.trainer.ppo_mini_batch_size, cfg.learner.batch_size // cfg.trainer.ppo_mini_batch_size) == (12, 2)
+    assert not hasattr(cfg.trainer, "require_batches")  # folded into learner.batch_size: held once
 
 
 def test_partial_rollout_switch_given_on_one_side_sets_both(tmp_path):
     cfg = load_config([write(tmp_path, "r.yaml", "rollouter:\n  partial_rollout: false\n")])
-    assert cfg.rollout.partial_rollout.enabled is False and cfg.rollouter.partial_rollout is False
+    assert cfg.rollout.partial_rollout.enabled is False
     with pytest.raises(ConfigError, match="name one switch"):
         load_config([], ["rollouter.partial_rollout=false", "rollout.partial_rollout.enabled=true"])
 
 
 def test_queue_size_given_on_one_side_sets_both(tmp_path):
     cfg = load_config([write(tmp_path, "q.yaml", "rollouter:\n  max_queue_size: 7\n")])
-    assert cfg.message_queue.max_queue_size == cfg.rollouter.max_queue_size == 7
+    assert cfg.message_queue.max_queue_size == 7
+
+
+# (alias as given, canonical key, the value the run holds)
+ALIASES_ALONE = [
+    ({"rollouter": {"max_queue_size": 7}}, "message_queue.max_queue_size", 7),
+    ({"rollouter": {"partial_rollout": False}}, "rollout.partial_rollout.enabled", False),
+    ({"policy_optimization": {"rollout_allocation": {"base_rollouts_per_prompt": 4}}},
+     "policy_optimization.advantage.group_size", 4),
+    ({"trainer": {"class": "OneStepOffTrainer"}}, "rollout.mode", "one_step_off_policy"),
+    ({"rollouter": {"class": "FullyAsyncRollouter"}}, "rollout.mode", "fully_async"),
+    ({"trainer": {"require_batches": 3, "ppo_mini_batch_size": 16}}, "learner.batch_size", 48),
+]
+
+
+@pytest.mark.parametrize("given, canonical, value", ALIASES_ALONE, ids=[a[1] for a in ALIASES_ALONE])
+def test_an_alias_sets_its_canonical_key_and_the_config_holds_it_once(tmp_path, given, canonical, value):
+    for cfg in (RunConfig.model_validate(given), load_config([write(tmp_path, "a.yaml", yaml.safe_dump(given))])):
+        held: object = cfg
+        for part in canonical.split("."):
+            held = getattr(held, part)
+        assert held == value
+        dump = yaml.safe_load(cfg.to_yaml())
+        assert "rollouter" not in dump and "class" not in dump["trainer"] and "require_batches" not in dump["trainer"]
+        assert "base_rollouts_per_prompt" not in dump["policy_optimization"]["rollout_allocation"]
+        assert load_config([write(tmp_path, "dump.yaml", cfg.to_yaml())]) == cfg
+
+
+def test_disagreeing_aliases_given_in_python_are_an_error_too():
+    with pytest.raises(ValueError, match="name one queue: make them equal"):
+        RunConfig.model_validate({"rollouter": {"max_queue_size": 7}, "message_queue": {"max_queue_size": 8}})
+    with pytest.raises(ValueError, match="rollouter"):  # an alias is no field: a section cannot hold it
+        RunConfig.model_validate({"rollouter": {"max_queue_size": 7, "max_queue_sise": 8}})
+    given = {"trainer": {"require_batches": 1, "ppo_mini_batch_size": 32}}
+    data = {"trainer": dict(given["trainer"])}
+    RunConfig.model_validate(data)
+    assert data == given  # the caller's mappings are left as given
+
+
+def test_a_queue_batch_that_does_not_divide_the_step_is_an_error(tmp_path):
+    message = str(pytest.raises(ConfigError, load_config, [], ["trainer.ppo_mini_batch_size=24",
+                                                                "learner.batch_size=64"]).value)
+    assert "`trainer.ppo_mini_batch_size` = 24 (--set)" in message and "`learner.batch_size` = 64 (--set)" in message
+    assert "must divide learner.batch_size" in message
+
+
+def test_a_bad_value_given_through_an_alias_names_the_alias_and_its_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "r.yaml", "rollouter:\n  max_queue_size: 0\n  max_queue_sise: 3\n")
+    message = str(pytest.raises(ConfigError, load_config, ["r.yaml"]).value)
+    assert "`message_queue.max_queue_size` = 0 in r.yaml (as `rollouter.max_queue_size`): expected an integer >= 1" \
+        in message
+    assert "unknown key `rollouter.max_queue_sise` in r.yaml; did you mean `max_queue_size`?" in message
 
 
 def test_model_path_alone_replaces_default_preset(tmp_path):
@@ -390,8 +446,6 @@ def test_base_url_and_model_resolve_lazily(tmp_path, monkeypatch):
 
 
 def test_string_under_a_secret_looking_key_is_redacted_in_dumps():
-    from tether.config.run import _redact_by_name
-
-    assert _redact_by_name({"x": {"hf_token": "hf_abc", "password": "${PW}", "stop_token_ids": [1]}}) == {
+    assert redact_by_name({"x": {"hf_token": "hf_abc", "password": "${PW}", "stop_token_ids": [1]}}) == {
         "x": {"hf_token": "***", "password": "${PW}", "stop_token_ids": [1]}
     }

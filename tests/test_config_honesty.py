@@ -16,6 +16,7 @@ from tether.config import ConfigError, RunConfig, load_config
 from tether.config.explain import every_field, explain, seed_documents
 from tether.config.inert import horizon_for, max_kl_coef_change
 from tether.config.io import _unwrap
+from tether.config.sections import PIPELINES
 from tether.config.support import UNSUPPORTED
 
 SEEDS = sorted((Path(__file__).resolve().parents[1] / "configs" / "seeds").glob("*.yaml"))
@@ -113,7 +114,8 @@ def _overrides(mode, trainer, rollouter):
 def test_class_keys_and_mode_resolve_to_one_coherent_pipeline(given, mode):
     cfg = load_config([], _overrides(*given))
     assert cfg.rollout.mode == mode
-    assert (cfg.trainer.class_, cfg.rollouter.class_) == PAIRS[mode]
+    assert PIPELINES[cfg.rollout.mode] == PAIRS[mode]
+    assert not hasattr(cfg.trainer, "class_") and not hasattr(cfg, "rollouter")  # the pipeline is held once
     assert cfg.message_queue.class_ == "MessageQueue"
 
 
@@ -272,6 +274,18 @@ def test_explain_works_for_every_key_of_the_seed(seed):
         assert result.exit_code == 0, (key, result.output)
         assert result.stdout.startswith(key + "\n") and f"named by: {seed.name}" in result.stdout, result.stdout
         assert "in the given files: " in result.stdout and "not set" not in result.stdout, result.stdout
+
+
+def test_explain_of_an_alias_names_its_canonical_key_and_the_resolved_value(tmp_path):
+    path = write(tmp_path, "q.yaml", "rollouter: {max_queue_size: 7}\n")
+    text = explain("rollouter.max_queue_size", [path])
+    assert text.startswith("rollouter.max_queue_size\n  Message-queue capacity, in groups")
+    assert "alias of message_queue.max_queue_size: folded into it at load" in text and "type: an integer >= 1" in text
+    assert f"in the given files: 7 ({path})" in text and "resolved: message_queue.max_queue_size = 7" in text
+    text = explain("trainer.require_batches")
+    assert "as learner.batch_size = trainer.ppo_mini_batch_size × trainer.require_batches" in text
+    assert "type: one of 'Trainer', 'OneStepOffTrainer', 'FullyAsyncTrainer'" in explain("trainer.class")
+    assert "a section of aliases with keys max_queue_size, partial_rollout, class" in explain("rollouter")
 
 
 def test_explain_of_an_unknown_key_exits_2_with_a_guess():

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from tether.config.base import ConfigError
+from tether.errors import ConfigError
 
 if TYPE_CHECKING:
     from tether.config import RunConfig

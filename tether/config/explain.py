@@ -3,7 +3,9 @@ and which source document (seed config) names it.
 
 The text comes from the field's docstring (every field has one, ``tests/test_config_honesty.py``), the type
 and constraints from its declaration, and "which seed names it" from the seed files in ``configs/seeds/``,
-read at run time, so that nothing here can drift from the config classes or the seeds.
+read at run time, so that nothing here can drift from the config classes or the seeds. An alias (a key the seeds
+spell beside its canonical key, ``tether.config.aliases``) is explained from the alias table: its doc, the key it
+is folded into, and that key's type.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from tether.config.base import _SECRET_NAME, ConfigError, Secret
-from tether.config.io import _expected, _is_model, _unwrap, load_config, merged, read_yaml
+from tether.config.aliases import ALIASES, SECTIONS, Alias, alias_of
+from tether.config.base import ConfigError
+from tether.config.io import _expected, _is_model, _unwrap, is_secret, load_config, merged, read_yaml
 from tether.config.run import RunConfig
 from tether.config.support import not_built
+from tether.secrets import Secret
 
 SEEDS_DIR = Path(__file__).resolve().parents[2] / "configs" / "seeds"
 Part = str | int
@@ -33,6 +37,9 @@ def explain(key: str, files: Sequence[str | Path] = (), overrides: Sequence[str]
 
     Raises ConfigError for a key that is not in the config (with the closest known key)."""
     parts = _parse(key)
+    plain = tuple(str(p) for p in parts if not isinstance(p, int))
+    if plain in SECTIONS or alias_of(plain) is not None:
+        return _explain_alias(plain, files, overrides)
     field, loc, dict_key = _lookup(parts)
     shown = _dotted(loc, parts)
     doc = inspect.cleandoc(field.description or "(no doc)")
@@ -49,6 +56,39 @@ def explain(key: str, files: Sequence[str | Path] = (), overrides: Sequence[str]
     if files or overrides:
         lines += _in_files(parts, loc, files, overrides, secret=_is_secret(field, loc))
     return "\n".join(lines)
+
+
+def _explain_alias(key: tuple[str, ...], files: Sequence[str | Path], overrides: Sequence[str]) -> str:
+    """An alias, or a section of aliases: its doc, what it is folded into, the type, the seeds and the files."""
+    alias = alias_of(key)
+    dotted = ".".join(key)
+    lines = [dotted, *("  " + line for line in (SECTIONS.get(key) or (alias.doc if alias else "")).splitlines())]
+    if alias is None:
+        keys = [a.key[-1] for a in _aliases_under(key)]
+        lines.append("  type: a section of aliases with keys " + ", ".join(keys))
+    else:
+        target = ".".join(alias.canonical)
+        how = f" as {alias.relation}" if alias.relation else ""
+        lines.append(f"  alias of {target}: folded into it at load{how} (given with it, the two must agree)")
+        lines.append(f"  type: {_alias_type(alias)}")
+        lines.append(f"  default: unset ({target}'s default applies)")
+    names = seed_documents().get(dotted)
+    lines.append("  named by: " + (", ".join(names) if names else "tether's own (no seed config names it)"))
+    if files or overrides:
+        resolved: list[Part] | None = list(alias.canonical) if alias is not None else None
+        lines += _in_files(list(key), key, files, overrides, secret=False, resolved_at=resolved)
+    return "\n".join(lines)
+
+
+def _aliases_under(section: tuple[str, ...]) -> list[Alias]:
+    return [a for a in ALIASES if a.key[: len(section)] == section]
+
+
+def _alias_type(alias: Alias) -> str:
+    if alias.values is not None:
+        return "one of " + ", ".join(repr(v) for v in alias.values)
+    field, loc, dict_key = _lookup(list(alias.canonical))
+    return _type_text(field, loc, dict_key)
 
 
 @functools.cache
@@ -217,7 +257,7 @@ def _default(field: FieldInfo) -> Any:
 
 def _is_secret(field: FieldInfo, loc: tuple[Part, ...]) -> bool:
     tp, _ = _unwrap(field.annotation, [])
-    return tp is Secret or bool(loc and isinstance(loc[-1], str) and _SECRET_NAME.search(loc[-1]))
+    return tp is Secret or is_secret(loc)
 
 
 def _plain(value: Any) -> Any:
@@ -259,8 +299,9 @@ def _pick(data: Any, parts: list[Part]) -> tuple[bool, Any]:
 
 
 def _in_files(parts: list[Part], loc: tuple[Part, ...], files: Sequence[str | Path], overrides: Sequence[str],
-              *, secret: bool) -> list[str]:
-    """The value the given files (and --set) write at the key, who wrote it, and the resolved value."""
+              *, secret: bool, resolved_at: list[Part] | None = None) -> list[str]:
+    """The value the given files (and --set) write at the key, who wrote it, and the resolved value (of the key,
+    or of ``resolved_at``: an alias's canonical key)."""
     data, origins = merged(files, overrides)
     names = _names_as_given(parts, loc)
     found, value = _pick(data, names)
@@ -277,9 +318,10 @@ def _in_files(parts: list[Part], loc: tuple[Part, ...], files: Sequence[str | Pa
     except ConfigError:
         lines.append("  resolved: the files do not load (run `tether config FILES` for the errors)")
         return lines
-    found, value = _pick(cfg.model_dump(mode="json", by_alias=True), names)
+    found, value = _pick(cfg.model_dump(mode="json", by_alias=True), resolved_at or names)
     if found:
-        lines.append(f"  resolved: {_show(value, secret=secret)}")
+        at = f"{'.'.join(map(str, resolved_at))} = " if resolved_at else ""
+        lines.append(f"  resolved: {at}{_show(value, secret=secret)}")
     return lines
 
 

@@ -4,6 +4,9 @@ Merging: mappings merge key by key, a later file wins, lists and scalars are rep
 remembers who set it (a file path or ``--set``), so an error names the key path, that source, the bad
 value and what is allowed. Nothing is read from the environment here: ``${VAR}`` stays as written until
 a secret is used.
+
+Aliases (``tether.config.aliases``): after merging, each alias is moved to its canonical key, and the canonical
+key's origin names it (``r.yaml (as `rollouter.max_queue_size`)``), so a bad value is reported where it was written.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import annotated_types as at
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tether.config import ConfigError, CrossFieldError, RunConfig, Secret
-from tether.config.base import _SECRET_NAME
+from tether.config.aliases import ALIASES, SECTIONS, fold
+from tether.config.base import ConfigError, CrossFieldError
+from tether.config.run import RunConfig
 from tether.config.support import refusals
+from tether.secrets import Secret, looks_secret
 
 Key = tuple[Any, ...]  # a key path, e.g. ("rollout", "scheduler", "max_staleness")
 Origins = dict[Key, str]  # key path of each leaf -> the file (or "--set") that set it
@@ -36,6 +41,7 @@ def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[st
     whose feature is not built yet (``tether.config.support.UNSUPPORTED``) is refused the same way."""
     data, origins = merged(paths, overrides)
     lines = refusals(data, origins)  # keys whose feature is not built (tether.config.support)
+    lines += [describe_rule(problem, (), origins) for problem in fold(data, origins)]
     lines += bools_as_numbers(data, origins)
     try:
         cfg = RunConfig.model_validate(data)
@@ -98,7 +104,7 @@ def parse_override(text: str) -> tuple[Key, Any]:
     key, sep, raw = text.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
     if not sep or not all(parts):
-        secretish = re.search(r"key|token|secret|password", text, re.IGNORECASE)  # no '=': cannot tell key from value
+        secretish = any(looks_secret(word) for word in re.split(r"\W+", text))  # no '=': key and value are one text
         shown = repr(text) if not secretish else "(not shown: it may hold a secret)"
         raise ConfigError(f"--set {shown}: expected key.path=value, e.g. --set learner.batch_size=32")
     try:
@@ -117,7 +123,7 @@ def is_secret(key: Key) -> bool:
     tp, _ = _type_at(key)
     if tp is Secret:
         return True
-    return tp not in (int, float, bool) and bool(key) and bool(_SECRET_NAME.search(str(key[-1])))
+    return tp not in (int, float, bool) and bool(key) and looks_secret(str(key[-1]))
 
 
 def bools_as_numbers(data: Any, origins: Origins, key: Key = ()) -> list[str]:
@@ -189,19 +195,15 @@ def describe_error(err: Any, origins: Origins) -> str:
     path = _dotted(loc)
     where = _where(loc, origins)
 
+    if kind == "extra_forbidden" and tuple(loc) in SECTIONS and isinstance(err.get("input"), dict):
+        names = [a.key[-1] for a in ALIASES if a.key[:-1] == tuple(loc)]  # what folding left of an alias section
+        return "; ".join(_unknown(f"{path}.{k}", where, str(k), names) for k in err["input"])
     if kind == "extra_forbidden":
         model = _type_at(loc[:-1])[0]
         names = [f.alias or n for n, f in model.model_fields.items()] if _is_model(model) else []
-        guess = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-        hint = f"did you mean `{guess[0]}`?" if guess else "known keys: " + ", ".join(names)
-        return f"unknown key `{path}` in {where}; {hint}"
+        return _unknown(path, where, str(loc[-1]), names)
     if kind == "value_error" and isinstance(ctx.get("error"), CrossFieldError):
-        rule = ctx["error"]
-        parts = []
-        for rel, value in rule.values.items():
-            full = (*loc, *(int(k) if k.isdigit() else k for k in rel.split(".")))  # list indices as in pydantic
-            parts.append(f"`{_dotted(full)}` = {value!r} ({_where(full, origins)})")
-        return ", ".join(parts) + f": {rule.rule}"
+        return describe_rule(ctx["error"], loc, origins)
     if kind == "missing":
         return f"`{path}` is required ({where}): {_expected(loc, 'a value')}"
 
@@ -217,6 +219,21 @@ def describe_error(err: Any, origins: Origins) -> str:
     else:
         allowed = err["msg"]
     return f"`{path}` = {value} in {where}: {allowed}"
+
+
+def describe_rule(rule: CrossFieldError, loc: Key, origins: Origins) -> str:
+    """A rule between keys as a sentence: each key (relative to ``loc``) with its value and source, then the rule."""
+    parts = []
+    for rel, value in rule.values.items():
+        full = (*loc, *(int(k) if k.isdigit() else k for k in rel.split(".")))  # list indices as in pydantic
+        parts.append(f"`{_dotted(full)}` = {value!r} ({_where(full, origins)})")
+    return ", ".join(parts) + f": {rule.rule}"
+
+
+def _unknown(path: str, where: str, name: str, names: list[str]) -> str:
+    guess = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean `{guess[0]}`?" if guess else "known keys: " + ", ".join(names)
+    return f"unknown key `{path}` in {where}; {hint}"
 
 
 def _where(loc: Key, origins: Origins) -> str:

@@ -60,8 +60,8 @@ class AdvantageConfig(Section):
     estimator: Literal["group_relative"] = "group_relative"
     """Advantage estimator. group_relative (reward minus its group's mean, GRPO) is the only value today."""
     group_size: Annotated[int, Field(ge=2)] = 8
-    """Trajectories per task (a group), before any reallocation; the same number as
-    rollout_allocation.base_rollouts_per_prompt (set either)."""
+    """Trajectories per task (a group), before any reallocation. The seed's
+    ``rollout_allocation.base_rollouts_per_prompt`` is an alias of it."""
     normalization: Literal["group", "batch", "none"] = "batch"
     """Divide advantages by the reward std of the group, of the batch, or not at all; the algorithm's
     default when unset."""
@@ -75,10 +75,8 @@ class RolloutAllocationConfig(Section):
     strategy: Literal["fixed", "adaptive"] = "adaptive"
     """Same count for every prompt (fixed), or more for prompts with more signal (adaptive; the step's total
     stays group_size × prompts)."""
-    base_rollouts_per_prompt: PosInt = 8
-    """Rollouts per prompt before reallocation; the same number as advantage.group_size (set either)."""
     max_rollouts_per_prompt: PosInt = 32
-    """Upper bound of rollouts per prompt, in rollouts; >= base_rollouts_per_prompt."""
+    """Upper bound of rollouts per prompt, in rollouts; >= advantage.group_size (base_rollouts_per_prompt)."""
     allocation_metric: Literal["gradient_variance_proxy"] = "gradient_variance_proxy"
     """Signal used to reallocate. gradient_variance_proxy is the only value today: rollouts ∝ √(variance of the
     task's recent rewards) (``tether.algo.allocation``)."""

@@ -1,32 +1,33 @@
-"""``RunConfig``: the whole run, and ``load_config``."""
+"""``RunConfig``: the whole run (loaded from files by ``tether.config.io.load_config``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, model_validator
+from pydantic import model_validator
 
 from tether.config.actor import ActorWorkerConfig
+from tether.config.aliases import fold
 from tether.config.base import *  # noqa: F401,F403
-from tether.config.base import _SECRET_NAME, _check  # noqa: F401
+from tether.config.base import _check
 from tether.config.cluster import RayConfig, ResourcePoolConfig
 from tether.config.environment import *  # noqa: F401,F403
 from tether.config.monitors import MonitorsConfig
 from tether.config.policy import *  # noqa: F401,F403
 from tether.config.reward import RewardConfig, check_reward
 from tether.config.sections import *  # noqa: F401,F403
-from tether.config.sections import PIPELINES
 from tether.config.support import REFUSED_SECTIONS
 from tether.config.teacher import TeacherConfig
+from tether.secrets import name_secrets, redact_by_name
 
 # ----------------------------------------------------------------------------- the run
 
 
 class RunConfig(Section):
-    """A whole run: every section has defaults, so ``RunConfig()`` is valid."""
+    """A whole run: every section has defaults, so ``RunConfig()`` is valid. Each value is held once, under its
+    canonical key: the seeds' aliases (``rollouter.max_queue_size``, ``trainer.class``, …) are folded into it
+    before validation (``tether.config.aliases``)."""
 
     environment: EnvironmentConfig = EnvironmentConfig()
     """The environment."""
@@ -50,8 +51,6 @@ class RunConfig(Section):
     """Objective, exploration, advantages, KL, optimizer."""
     trainer: TrainerConfig = TrainerConfig()
     """Trainer and run length."""
-    rollouter: RollouterConfig = RollouterConfig()
-    """Rollouter."""
     message_queue: MessageQueueConfig = MessageQueueConfig()
     """Rollouter → trainer queue."""
     resource_pool: ResourcePoolConfig = ResourcePoolConfig()
@@ -72,23 +71,22 @@ class RunConfig(Section):
     teacher: TeacherConfig = TeacherConfig()
     """On-policy distillation from a teacher model (``tether.config.teacher``, ``tether.teacher``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_aliases(cls, data: Any) -> Any:
+        """Data given in Python (``RunConfig.model_validate``, ``RunConfig(**sections)``) folds the seeds' aliases
+        as a file does; ``load_config`` has folded them already, naming the files."""
+        if not isinstance(data, dict):
+            return data
+        data = _copy_mappings(data)
+        problems = fold(data)
+        if problems:
+            raise problems[0]
+        return data
+
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
-        self._pipeline_classes()
-        rq, mq = self.rollouter, self.message_queue
-        rq_set, mq_set = "max_queue_size" in rq.model_fields_set, "max_queue_size" in mq.model_fields_set
-        if rq_set and mq_set:
-            _check(
-                rq.max_queue_size == mq.max_queue_size,
-                "message_queue.max_queue_size and rollouter.max_queue_size name one queue: make them equal",
-                **{"message_queue.max_queue_size": mq.max_queue_size,
-                   "rollouter.max_queue_size": rq.max_queue_size},
-            )
-        elif rq_set or mq_set:  # one queue: the size given on either side sets both
-            rq.max_queue_size = mq.max_queue_size = (rq if rq_set else mq).max_queue_size
-        self._one_partial_rollout_switch()
-        self._trainer_step_size()
-        self._one_group_size()
+        self._queue_batch()
         b, g = self.learner.batch_size, self.policy_optimization.advantage.group_size
         _check(
             b % g == 0,
@@ -96,49 +94,25 @@ class RunConfig(Section):
             "(a group is trained as a unit)",
             **{"learner.batch_size": b, "policy_optimization.advantage.group_size": g},
         )
-        self._algorithm_defaults()
-        check_reward(self)
-        _name_secrets(self, "")
-        return self
-
-    def _pipeline_classes(self) -> None:
-        """``trainer.class`` / ``rollouter.class`` name the pipeline, ``rollout.mode`` names it too: the classes
-        given (either or both) must name one pipeline; with ``rollout.mode`` unset they set it, set it must
-        agree; unset classes follow the mode (``PIPELINES``), so the dump shows a coherent triple."""
-        ro, tr, rr = self.rollout, self.trainer, self.rollouter
-        mode_of = {cls: mode for mode, pair in PIPELINES.items() for cls in pair}
-        given = {k: c for k, c in (("trainer.class", tr.class_), ("rollouter.class", rr.class_)) if c is not None}
-        modes = {mode_of[c] for c in given.values()}
-        pairs = "; ".join(f"{t} + {r} run {m}" for m, (t, r) in PIPELINES.items())
-        _check(len(modes) <= 1, f"trainer.class and rollouter.class name one pipeline ({pairs})", **given)
-        if modes:
-            (mode,) = modes
-            if "mode" in ro.model_fields_set:
-                _check(ro.mode == mode, f"{' and '.join(dict.fromkeys(given.values()))} run rollout.mode {mode}: "
-                                        f"set the mode to {mode}, or unset the class keys to follow the mode",
-                       **{"rollout.mode": ro.mode, **given})
-            ro.mode = mode
-        tr.class_, rr.class_ = PIPELINES[ro.mode]
-
-    def _one_group_size(self) -> None:
-        """``rollout_allocation.base_rollouts_per_prompt`` and ``advantage.group_size`` are the rollouts a task gets
-        before any reallocation: set on one side it sets both; set on both they must agree."""
-        adv, ra = self.policy_optimization.advantage, self.policy_optimization.rollout_allocation
-        g_set, b_set = "group_size" in adv.model_fields_set, "base_rollouts_per_prompt" in ra.model_fields_set
-        if g_set and b_set:
-            _check(adv.group_size == ra.base_rollouts_per_prompt,
-                   "policy_optimization.advantage.group_size and rollout_allocation.base_rollouts_per_prompt are "
-                   "one number (rollouts per task before reallocation): make them equal",
-                   **{"policy_optimization.advantage.group_size": adv.group_size,
-                      "policy_optimization.rollout_allocation.base_rollouts_per_prompt": ra.base_rollouts_per_prompt})
-        elif b_set:
-            adv.group_size = ra.base_rollouts_per_prompt
-        else:
-            ra.base_rollouts_per_prompt = adv.group_size
-        _check(ra.max_rollouts_per_prompt >= ra.base_rollouts_per_prompt,
+        ra = self.policy_optimization.rollout_allocation
+        _check(ra.max_rollouts_per_prompt >= g,
                "max_rollouts_per_prompt must be >= base_rollouts_per_prompt (= advantage.group_size)",
                **{"policy_optimization.rollout_allocation.max_rollouts_per_prompt": ra.max_rollouts_per_prompt,
-                  "policy_optimization.advantage.group_size": adv.group_size})
+                  "policy_optimization.advantage.group_size": g})
+        self._algorithm_defaults()
+        check_reward(self)
+        name_secrets(self)
+        return self
+
+    def _queue_batch(self) -> None:
+        """The async trainer takes a step's ``learner.batch_size`` samples from the queue in queue batches of
+        ``trainer.ppo_mini_batch_size``: unset, half the step (the seed's two batches), or all of it when odd."""
+        tr, b = self.trainer, self.learner.batch_size
+        if "ppo_mini_batch_size" not in tr.model_fields_set:
+            tr.ppo_mini_batch_size = b // 2 if b % 2 == 0 else b
+        _check(b % tr.ppo_mini_batch_size == 0,
+               "trainer.ppo_mini_batch_size (the queue batch) must divide learner.batch_size (the step)",
+               **{"trainer.ppo_mini_batch_size": tr.ppo_mini_batch_size, "learner.batch_size": b})
 
     def _algorithm_defaults(self) -> None:
         """``policy_optimization.algorithm`` fills the keys the config leaves unset with its recipe's values,
@@ -166,42 +140,6 @@ class RunConfig(Section):
         elif spec.kl_coef > 0.0 and unset(kl, "init_coef"):
             kl.init_coef = spec.kl_coef
 
-    def _one_partial_rollout_switch(self) -> None:
-        """``rollouter.partial_rollout`` (fully_async_ppo.yaml) and ``rollout.partial_rollout.enabled``
-        (async_pipeline.yaml) name one switch: set on one side it sets both; set on both they must agree."""
-        ro, pr = self.rollouter, self.rollout.partial_rollout
-        ro_set, pr_set = "partial_rollout" in ro.model_fields_set, "enabled" in pr.model_fields_set
-        if ro_set and pr_set:
-            _check(ro.partial_rollout == pr.enabled,
-                   "rollouter.partial_rollout and rollout.partial_rollout.enabled name one switch: make them equal",
-                   **{"rollouter.partial_rollout": ro.partial_rollout,
-                      "rollout.partial_rollout.enabled": pr.enabled})
-        elif ro_set or pr_set:
-            ro.partial_rollout = pr.enabled = ro.partial_rollout if ro_set else pr.enabled
-
-    def _trainer_step_size(self) -> None:
-        """The async trainer's vocabulary for the step size: ``require_batches`` queue batches of
-        ``ppo_mini_batch_size`` samples make one trainer step, i.e. ``learner.batch_size``."""
-        tr, lc = self.trainer, self.learner
-        if not {"ppo_mini_batch_size", "require_batches"} & tr.model_fields_set:
-            if lc.batch_size % tr.require_batches:  # learner side (or defaults) only: the trainer follows
-                tr.require_batches = 1
-            tr.ppo_mini_batch_size = lc.batch_size // tr.require_batches
-            return
-        step = tr.ppo_mini_batch_size * tr.require_batches
-        if "batch_size" in lc.model_fields_set:
-            _check(step == lc.batch_size,
-                   "trainer.ppo_mini_batch_size × trainer.require_batches is the samples of one trainer step, "
-                   "which learner.batch_size also sets: make them equal (or set only one side)",
-                   **{"trainer.ppo_mini_batch_size": tr.ppo_mini_batch_size,
-                      "trainer.require_batches": tr.require_batches, "learner.batch_size": lc.batch_size})
-        else:
-            lc.batch_size = step
-            if "mini_batch_size" not in lc.model_fields_set and step % lc.mini_batch_size:
-                lc.mini_batch_size = tr.ppo_mini_batch_size
-            # pydantic types a @model_validator method as its descriptor proxy; calling it works (re-runs the check).
-            lc._batches_divide()  # type: ignore[operator]
-
     def derived(self) -> dict[str, int]:
         """Totals computed from the config (printed at start; never computed in shell)."""
         b, m = self.learner.batch_size, self.learner.mini_batch_size
@@ -226,42 +164,13 @@ class RunConfig(Section):
         """Plain data (YAML/JSON-ready, keys as in the files); secrets as ``***`` or ``${VAR}``. The sections
         whose feature is not built (``support.REFUSED_SECTIONS``) are left out, so that the dump loads back."""
         data = self.model_dump(mode="json", by_alias=True, exclude=set(REFUSED_SECTIONS))
-        return _redact_by_name(data)
+        return redact_by_name(data)
 
     def to_yaml(self) -> str:
         """The resolved config as YAML that loads back to an equal config (secrets redacted)."""
         return yaml.safe_dump(self.redacted_dict(), sort_keys=False, allow_unicode=True)
 
 
-def _name_secrets(model: BaseModel, prefix: str) -> None:
-    """Tell each Secret its key path, for the error raised when its variable is missing."""
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        path = f"{prefix}{name}"
-        if isinstance(value, Secret):
-            value.key_path = path
-        elif isinstance(value, BaseModel):
-            _name_secrets(value, path + ".")
-
-
-def _redact_by_name(data: Any) -> Any:
-    """Belt and braces: any string under a secret-looking key is redacted even if not a Secret."""
-    if isinstance(data, dict):
-        out = {}
-        for k, v in data.items():
-            hide = isinstance(v, str) and _SECRET_NAME.search(str(k))
-            out[k] = Secret(v).redacted() if hide else _redact_by_name(v)
-        return out
-    if isinstance(data, list):
-        return [_redact_by_name(v) for v in data]
-    return data
-
-
-def load_config(paths: Sequence[str | Path] | str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Merge the YAML ``paths`` in order, apply ``--set key.path=value`` ``overrides``, validate.
-
-    Raises ConfigError naming the key path, the file that set it, the value and what is allowed.
-    (Implemented in ``tether.config.io``; imported here lazily because that module imports this one.)"""
-    from tether.config.io import load_config as load
-
-    return load(paths, overrides)
+def _copy_mappings(data: dict[Any, Any]) -> dict[Any, Any]:
+    """``data`` with its nested mappings copied (folding changes them; the caller's stay as given)."""
+    return {k: _copy_mappings(v) if isinstance(v, dict) else v for k, v in data.items()}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tether.config.base import *  # noqa: F401,F403 — the shared types
-from tether.config.base import _ENV_REF, _check, interpolate  # noqa: F401
+from tether.config.base import _check
 
 # ----------------------------------------------------------------------------- agent, parser, client
 
@@ -49,7 +49,11 @@ class LLMClientConfig(Section):
     ``tether.llm.LLMClient.from_config``.
 
     ``base_url`` and ``model`` may contain ``${VAR}``; like the key they are resolved at use time by
-    ``resolved()``."""
+    ``resolved()``. The section knows where it sits in the run's config (``key_path``: ``llm_client``,
+    ``reward.judge_client``, ``environment.user_llm.client``, ``teacher.remote``), so that an error names the
+    endpoint's own keys."""
+
+    _key_path: str = PrivateAttr("llm_client")  # set by ``tether.secrets.name_secrets`` when a RunConfig is built
 
     base_url: str = "https://api.example.com/v1"
     """Endpoint URL, http:// or https:// (or a ``${VAR}`` reference)."""
@@ -79,17 +83,22 @@ class LLMClientConfig(Section):
             _check_url(v)
         return v
 
+    @property
+    def key_path(self) -> str:
+        """The section's dotted path in the run's config, e.g. ``reward.judge_client`` (``llm_client`` alone)."""
+        return self._key_path
+
     def resolved(self) -> dict[str, str | None]:
         """``base_url``, ``api_key`` and ``model`` with ``${VAR}`` read from the environment now."""
-        url = interpolate(self.base_url, "llm_client.base_url")
+        url = interpolate(self.base_url, f"{self.key_path}.base_url")
         try:
             _check_url(url)
         except ValueError as e:
-            raise ConfigError(f"`llm_client.base_url` resolved to {url!r}: {e}") from None
+            raise ConfigError(f"`{self.key_path}.base_url` resolved to {url!r}: {e}") from None
         return {
             "base_url": url,
             "api_key": self.api_key.get() if self.api_key is not None else None,
-            "model": interpolate(self.model, "llm_client.model"),
+            "model": interpolate(self.model, f"{self.key_path}.model"),
         }
 
 
@@ -169,7 +178,7 @@ class PartialRolloutConfig(Section):
 
     enabled: bool = True
     """A weight sync interrupts in-flight generations, which resume under the new weights; false = the sync
-    waits for them to finish under the old ones."""
+    waits for them to finish under the old ones. The seed's ``rollouter.partial_rollout`` is an alias of it."""
     segment_length: PosInt = 8
     """Decode steps between interruption points, in tokens: every generation gets at least this many tokens
     from a version before the next weight sync is applied."""
@@ -199,8 +208,8 @@ class RolloutConfig(Section):
 
     mode: Literal["sync", "one_step_off_policy", "fully_async"] = "sync"
     """sync: generate then train; one_step_off_policy: generate k+1 while training k; fully_async:
-    continuous generation (the seed's ``async`` means fully_async). When unset, ``trainer.class`` /
-    ``rollouter.class`` choose it (e.g. FullyAsyncTrainer → fully_async); else sync."""
+    continuous generation (the seed's ``async`` means fully_async). The seed's ``trainer.class`` /
+    ``rollouter.class`` are aliases of it (``PIPELINES``: e.g. FullyAsyncTrainer → fully_async)."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Admission control."""
     partial_rollout: PartialRolloutConfig = PartialRolloutConfig()
@@ -290,28 +299,25 @@ class LearnerConfig(Section):
 # ----------------------------------------------------------------------------- components and placement
 
 
-# The (trainer.class, rollouter.class) pair of each rollout.mode: the class keys select the pipeline (the
-# fully_async names are the seed's, after verl's recipe/fully_async_policy; the others are tether's).
-PIPELINES: dict[Literal["sync", "one_step_off_policy", "fully_async"], tuple[TrainerClass, RollouterClass]] = {
+# The (trainer.class, rollouter.class) pair of each rollout.mode: the seed's class keys name the pipeline, and are
+# folded into rollout.mode at load (``tether.config.aliases``; the fully_async names are the seed's, after verl's
+# recipe/fully_async_policy, the others tether's).
+PIPELINES: dict[Literal["sync", "one_step_off_policy", "fully_async"], tuple[str, str]] = {
     "sync": ("Trainer", "Rollouter"),
     "one_step_off_policy": ("OneStepOffTrainer", "OneStepOffRollouter"),
     "fully_async": ("FullyAsyncTrainer", "FullyAsyncRollouter"),
 }
-TrainerClass = Literal["Trainer", "OneStepOffTrainer", "FullyAsyncTrainer"]
-RollouterClass = Literal["Rollouter", "OneStepOffRollouter", "FullyAsyncRollouter"]
 
 
 class TrainerConfig(Section):
     """The trainer component and the run length."""
 
-    class_: TrainerClass | None = Field(None, alias="class")
-    """The pipeline, named by its trainer: Trainer (rollout.mode sync), OneStepOffTrainer (one_step_off_policy)
-    or FullyAsyncTrainer (fully_async). Unset (None): follows rollout.mode; set with rollout.mode unset, it
-    sets the mode; set with a disagreeing rollout.mode or rollouter.class it is an error."""
     ppo_mini_batch_size: PosInt = 64
-    """Trajectories the trainer takes from the message queue per queue batch."""
-    require_batches: PosInt = 2
-    """Queue batches per trainer step: ppo_mini_batch_size × require_batches = learner.batch_size (set either side)."""
+    """Trajectories the async trainer takes from the message queue at once (a queue batch); divides
+    learner.batch_size, the trajectories of a step. Unset: half of learner.batch_size (all of it when that is
+    odd). The seed's ``trainer.require_batches`` (queue batches per step) is folded at load into
+    learner.batch_size = ppo_mini_batch_size × require_batches; given without learner.batch_size, this key alone
+    sets learner.batch_size to twice it (require_batches' default, 2)."""
     trigger_parameter_sync_step: PosInt = 4
     """Push weights to the rollouter every N trainer steps, in steps (async modes; sync pushes every step)."""
     use_trainer_do_validate: bool = True
@@ -339,29 +345,14 @@ class TrainerConfig(Section):
     """Held-out tasks per evaluation, in tasks; None = environment.num_eval_tasks."""
 
 
-class RollouterConfig(Section):
-    """The rollouter component."""
-
-    class_: RollouterClass | None = Field(None, alias="class")
-    """The pipeline, named by its rollouter: Rollouter (rollout.mode sync), OneStepOffRollouter
-    (one_step_off_policy) or FullyAsyncRollouter (fully_async); None = follows rollout.mode (see
-    trainer.class)."""
-    max_queue_size: PosInt = 512
-    """Message-queue capacity, in groups; when full the oldest group is dropped. One queue: the same number as
-    message_queue.max_queue_size (set either)."""
-    partial_rollout: bool = True
-    """Interrupted generations resume under the new weights; the same switch as rollout.partial_rollout.enabled
-    (set either)."""
-
-
 class MessageQueueConfig(Section):
     """The queue between rollouter and trainer."""
 
     class_: Literal["MessageQueue"] = Field("MessageQueue", alias="class")
     """Queue implementation: MessageQueue (``tether.pipeline.queue``) is the only value today."""
     max_queue_size: PosInt = 512
-    """Capacity, in groups; when full the oldest group is dropped (the same number as
-    rollouter.max_queue_size)."""
+    """Capacity, in groups; when full the oldest group is dropped. The seed's ``rollouter.max_queue_size`` is an
+    alias of it."""
 
 
 class MetricsConfig(Section):

@@ -19,8 +19,9 @@ out of its reach. httpx is what the SDK itself is built on, so connection behavi
 ``HTTP(S)_PROXY``/``NO_PROXY``, timeouts) is the same. The ``openai`` package remains a test dependency: the tests
 of ``tether serve`` drive the server with it, which is what proves the protocol is compatible.
 
-Layer: ``llm`` sits at the bottom beside ``engine``; it imports ``tether.metrics`` only (a ``Secret`` is used
-through its ``get()`` / ``redacted()`` methods, not imported). Metrics: ``llm/retries`` and ``llm/failures``
+Layer: ``llm`` sits at the bottom beside ``engine``; it imports ``tether.metrics`` and ``tether.secrets`` only
+(the one ``${VAR}`` interpolator and ``Secret``; an endpoint's errors name its config section, e.g.
+``reward.judge_client.api_key``, from the section's ``key_path``). Metrics: ``llm/retries`` and ``llm/failures``
 (sums), ``llm/latency_s`` (mean, successful calls).
 """
 

@@ -18,7 +18,6 @@ import asyncio
 import email.utils
 import json
 import logging
-import os
 import random
 import ssl
 import threading
@@ -49,6 +48,7 @@ from tether.llm.errors import (
 from tether.llm.keys import KeySource
 from tether.llm.limits import EndpointLimits, limits_for
 from tether.metrics import record_metric
+from tether.secrets import interpolate
 
 log = logging.getLogger("tether.llm")
 
@@ -83,7 +83,8 @@ class LLMClient:
     ``https://gw/api/v1`` → ``https://gw/api``; a ``base_url`` not ending in ``/v1`` is its own root), where
     vLLM and SGLang serve ``/health`` and ``/update_weights_from_disk``.
 
-    ``api_key``: None, a string (literal or ``${VAR}``) or a ``Secret``, read at each request (``keys``).
+    ``api_key``: None, a string (literal or ``${VAR}``) or a ``Secret``, read at each request (``keys``);
+    ``key_path``: the config key it came from, for messages (default: the Secret's own, else ``llm_client.api_key``).
     Limits (``max_concurrency``, ``requests_per_minute``, ``tokens_per_minute``) are shared with every
     client of the same ``(base_url, model)`` in this process (``limits``). One client may be used from several
     event loops and threads (an HTTP connection pool per loop).
@@ -92,7 +93,7 @@ class LLMClient:
     def __init__(self, base_url: str, api_key: Any = None, model: str = "", *, timeout_s: float = 60.0,
                  max_retries: int = 3, max_concurrency: int = 64, requests_per_minute: float | None = None,
                  tokens_per_minute: float | None = None, backoff_s: float = 0.5, max_backoff_s: float = 20.0,
-                 max_retry_after_s: float = 60.0, key_path: str = "llm_client.api_key"):
+                 max_retry_after_s: float = 60.0, key_path: str | None = None):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {display_url(base_url)!r}")
         self.base_url = base_url.rstrip("/")
@@ -104,6 +105,8 @@ class LLMClient:
         self.max_backoff_s = max_backoff_s
         self.max_retry_after_s = max_retry_after_s
         self.key = KeySource(api_key, key_path)
+        self.section = self.key.key_path.removesuffix(".api_key")
+        """The endpoint's section in the config (``reward.judge_client``), named in messages."""
         self.limits: EndpointLimits = limits_for(self.base_url, model, max_concurrency=max_concurrency,
                                                  requests_per_minute=requests_per_minute,
                                                  tokens_per_minute=tokens_per_minute)
@@ -113,22 +116,17 @@ class LLMClient:
 
     @classmethod
     def from_config(cls, section: Any, **overrides: Any) -> LLMClient:
-        """A client from the ``llm_client`` config section (``tether.config.sections.LLMClientConfig``):
-        ``base_url`` and ``model`` are resolved now (``${VAR}``), the key at each request."""
-        from tether.llm.keys import _ENV_REF
-
-        def env(value: str, key: str) -> str:
-            def sub(m: Any) -> str:
-                if m.group(1) not in os.environ:
-                    raise ValueError(f"`llm_client.{key}` refers to environment variable {m.group(1)}, which is "
-                                     f"not set; export {m.group(1)}=... before running")
-                return os.environ[m.group(1)]
-            return _ENV_REF.sub(sub, value)
-
+        """A client from an endpoint section (``tether.config.sections.LLMClientConfig``: ``llm_client``,
+        ``reward.judge_client``, ``environment.user_llm.client``, ``teacher.remote``): ``base_url`` and ``model``
+        are resolved now (``${VAR}``; a missing variable is a ConfigError), the key at each request. Errors name
+        the section's own keys (its ``key_path``)."""
+        where = getattr(section, "key_path", "llm_client")
         kwargs: dict[str, Any] = dict(
-            base_url=env(section.base_url, "base_url"), api_key=section.api_key, model=env(section.model, "model"),
-            timeout_s=section.timeout_s, max_retries=section.max_retries, max_concurrency=section.max_concurrency,
-            requests_per_minute=section.requests_per_minute, tokens_per_minute=section.tokens_per_minute)
+            base_url=interpolate(section.base_url, f"{where}.base_url"), api_key=section.api_key,
+            model=interpolate(section.model, f"{where}.model"), timeout_s=section.timeout_s,
+            max_retries=section.max_retries, max_concurrency=section.max_concurrency,
+            requests_per_minute=section.requests_per_minute, tokens_per_minute=section.tokens_per_minute,
+            key_path=f"{where}.api_key")
         return cls(**{**kwargs, **overrides})
 
     # ------------------------------------------------------------------------- the API
@@ -305,7 +303,7 @@ class LLMClient:
                                f"({e or type(e).__name__}): the server crashed, restarted or dropped the request, "
                                f"or a proxy cut it; check the server's log", url=shown)
         except (TimeoutError, httpx.TimeoutException):
-            return LLMTimeout(f"{method} {shown}: no complete answer within {timeout_s:g} s (llm_client.timeout_s):"
+            return LLMTimeout(f"{method} {shown}: no complete answer within {timeout_s:g} s ({self.section}.timeout_s):"
                               f" the server is overloaded or the generation is long; raise the timeout, lower "
                               f"max_tokens or max_concurrency, or check the server's load", url=shown)
 
@@ -335,7 +333,7 @@ class LLMClient:
             after = headers.get("retry-after")
             raise fail(RateLimited, f"HTTP 429 (rate limited) from {method} {shown} ({tries}"
                        f"{f', Retry-After: {after}' if after else ''}): the endpoint allows fewer requests or tokens"
-                       f" than this process sends. Lower llm_client.requests_per_minute, tokens_per_minute or "
+                       f" than this process sends. Lower {self.section}.requests_per_minute, tokens_per_minute or "
                        f"max_concurrency (shared by every client of this endpoint in the process), raise "
                        f"max_retries, or raise the quota")
         if status >= 500:

@@ -1,40 +1,39 @@
 """Where the API key comes from, read only when a request is made, and the 401 diagnosis that depends on it.
 
-A key is given as ``None`` (no ``Authorization`` header), a literal string, a string of ``${VAR}`` references,
-or a ``Secret``-like object (``tether.config.Secret``: ``get()`` resolves at use time, ``redacted()`` shows
-``${VAR}`` or ``***``). It is read from the environment at each request, so a key exported after the client was
-built is used, and a worker process started without the variable fails with ``MissingKey`` naming it.
+A key is given as ``None`` (no ``Authorization`` header), a string (a literal or ``${VAR}`` references) or a
+``tether.secrets.Secret`` (what a config holds: ``get()`` resolves at use time, ``redacted()`` shows ``${VAR}`` or
+``***``); a string is made a ``Secret`` here, so one interpolator reads every key. It is read from the environment
+at each request, so a key exported after the client was built is used, and a worker process started without the
+variable fails with ``MissingKey`` naming it and the key path it came from (``reward.judge_client.api_key``).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from tether.llm.errors import MalformedKey, MissingKey
+from tether.secrets import REDACTED, Secret
 
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-PLACEHOLDER = "***"
+PLACEHOLDER = REDACTED
 """What a dumped config (a run's config.yaml) writes for a literal key."""
 
 
 class KeySource:
-    def __init__(self, api_key: Any, key_path: str = "llm_client.api_key"):
-        self.key_path = key_path
-        self._secret = None
-        self._literal: str | None = None
+    def __init__(self, api_key: Any, key_path: str | None = None):
+        self._secret: Secret | None
         if api_key is None:
-            self._shown: str | None = None
+            self._secret = None
         elif isinstance(api_key, str):
-            self._literal = api_key
-            self._shown = api_key if _ENV_REF.fullmatch(api_key) or _only_refs(api_key) else PLACEHOLDER
-        elif hasattr(api_key, "get") and hasattr(api_key, "redacted"):
+            self._secret = Secret(api_key)
+        elif isinstance(api_key, Secret):
             self._secret = api_key
-            self._shown = api_key.redacted()
         else:
             raise TypeError(f"api_key must be None, a string or a Secret, not {type(api_key).__name__}")
-        self.variables: list[str] = _ENV_REF.findall(self._shown or "")
+        self.key_path = key_path or (self._secret.key_path if self._secret else "") or "llm_client.api_key"
+        """The config key the key came from, named in every message."""
+        self._shown: str | None = self._secret.redacted() if self._secret is not None else None
+        self.variables: list[str] = self._secret.variables() if self._secret is not None else []
         """The environment variables the key is read from (empty for a literal key)."""
 
     @property
@@ -61,13 +60,11 @@ class KeySource:
                 f"process (a Ray actor, a subprocess, a service) does not always inherit its parent's "
                 f"environment: pass the variable to it explicitly (for Ray: runtime_env={{'env_vars': "
                 f"{{'{missing[0]}': ...}}}}).")
-        if self._secret is not None:
-            try:
-                key = self._secret.get()
-            except Exception as e:  # a resolution error names the variable, never a value
-                raise MissingKey(f"{self.key_path}: {e}") from None
-        else:
-            key = _ENV_REF.sub(lambda m: os.environ[m.group(1)], self._literal or "")
+        assert self._secret is not None  # given
+        try:
+            key = self._secret.get()
+        except Exception as e:  # a resolution error names the variable, never a value
+            raise MissingKey(f"{self.key_path}: {e}") from None
         if key != key.strip() or any(c.isspace() for c in key):
             where = f"environment variable {self.variables[0]}" if self.variables else self.key_path
             what = "a newline" if ("\n" in key or "\r" in key) else "whitespace"
@@ -88,7 +85,7 @@ class KeySource:
             return [f"no key was sent ({self.key_path} is not set) and the endpoint wants one: set "
                     f"{self.key_path}: ${{VAR}} in the config (or `tether ping --api-key-env VAR`)"]
         checks = []
-        if self._literal == PLACEHOLDER:
+        if not self.variables and self._secret is not None and self._secret.get() == PLACEHOLDER:
             checks.append(f"the key is the placeholder `{PLACEHOLDER}`: this config was loaded from a dump (a "
                           f"run's config.yaml) whose literal key was redacted; give {self.key_path} as ${{VAR}}")
         if self.variables:
@@ -101,10 +98,6 @@ class KeySource:
                           f"{self.key_path}: ${{VAR}}, read from the environment")
         checks.append("the key has no stray whitespace or newline (checked: none)")
         return checks
-
-
-def _only_refs(s: str) -> bool:
-    return bool(s) and _ENV_REF.sub("", s) == ""
 
 
 def _where_space(key: str) -> str:

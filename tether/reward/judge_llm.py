@@ -25,7 +25,7 @@ class LLMJudge:
     @classmethod
     def from_config(cls, reward: Any) -> LLMJudge:
         """From the ``reward`` section (``tether.config.reward.RewardConfig``)."""
-        client = LLMClient.from_config(reward.judge_client, key_path="reward.judge_client.api_key")
+        client = LLMClient.from_config(reward.judge_client)
         return cls(client, samples=reward.judge_samples, temperature=reward.judge_temperature,
                    max_tokens=reward.judge_max_tokens)
 

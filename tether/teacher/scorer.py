@@ -236,7 +236,7 @@ def make_teacher(cfg: Any, student_tokenizer: Any) -> LocalTeacher | RemoteTeach
         model, tokenizer = load_model_and_tokenizer(tc.path, cfg.model.dtype)
         check_local(student_tokenizer, tokenizer, where=tc.path)
         return LocalTeacher(model, top_k=top_k, deterministic=cfg.trainer.deterministic)
-    client = LLMClient.from_config(tc.remote, key_path="teacher.remote.api_key")
+    client = LLMClient.from_config(tc.remote)
 
     async def check() -> None:
         try:

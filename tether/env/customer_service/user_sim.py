@@ -127,7 +127,7 @@ def _client(section: Any) -> LLMClient:
     key = section.model_dump_json()
     with _CLIENTS_LOCK:
         if key not in _CLIENTS:
-            _CLIENTS[key] = LLMClient.from_config(section, key_path="environment.user_llm.client.api_key")
+            _CLIENTS[key] = LLMClient.from_config(section)
         return _CLIENTS[key]
 
 
