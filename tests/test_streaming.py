@@ -75,3 +75,35 @@ def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_t
         assert lent[1:] == [1, 2, 1, 1, 2, 2]  # lent back when the learner waits, and when its worker stops
     finally:
         torch.set_num_threads(saved)
+
+
+def test_each_group_advantages_are_computed_once_and_are_the_whole_batch_ones(tmp_path, monkeypatch, metrics):
+    from tether.pipeline import streaming
+
+    (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
+    cfg = load_config([tmp_path / "cfg.yaml"], ["rollout.mode=sync", "learner.overlap_rollout=true"])
+    calls = []
+    real = streaming.group_advantages
+
+    def counted(rewards, **kw):
+        calls.append(len(rewards))
+        return real(rewards, **kw)
+
+    monkeypatch.setattr(streaming, "group_advantages", counted)
+    rewards = [[0.1, 0.7, 0.3], [1.0, 1.0, 1.0], [0.2, 0.9, 0.0]]  # group 1 is degenerate (one of three)
+    groups = [SimpleNamespace(index=i, dropped=False, group=SimpleNamespace(
+        trajectories=[SimpleNamespace(reward=r) for r in rs])) for i, rs in enumerate(rewards)]
+    learner = _Learner([2])
+    with StepUpdate(learner, cfg.policy_optimization.advantage, overlap_rollout=True, mode="sync", ordered=True) as up:
+        up.offer(groups[0])
+        _wait_for(lambda: len(learner.update.trajectories) == 3)  # group 0 trained as it finished: its advantages
+        trajs, adv = up.advantages(groups)  # groups 1 and 2 now, group 0's reused
+        assert up.train(groups, trajs, adv)
+    assert calls == [3, 3, 3]  # one computation per group, none for the batch
+    whole, m = real(torch.tensor([r for rs in rewards for r in rs]).double(), group_sizes=[3, 3, 3],
+                     normalization="group")
+    assert torch.equal(adv, whole.float())  # the values the whole batch gives, bit for bit
+    row = metrics.flush(1)
+    assert row["optim/advantage_std"] == float(m["advantage_std"])
+    assert row["optim/degenerate_group_ratio"] == float(m["degenerate_group_ratio"]) == float(torch.tensor(1 / 3))
+    assert row["optim/nonzero_advantage_ratio"] == float(torch.tensor(6 / 9))  # the degenerate group's 3 are 0
