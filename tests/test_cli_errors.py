@@ -31,7 +31,8 @@ def config(tmp_path):
 
 def one_line_error(result, *needles: str) -> str:
     assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     text = " ".join(result.output.split())  # rich may wrap long lines
     assert text.startswith("error:"), result.output
     for needle in needles:

@@ -197,7 +197,7 @@ def test_not_a_checkpoint_exits_2(setup):
 def test_serve_chat_template_option_reaches_the_server(setup, monkeypatch):
     root, model = setup
     seen = {}
-    monkeypatch.setattr("tether.serve.serve", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("tether.serve.server.serve", lambda *a, **kw: seen.update(kw))
     result = runner.invoke(app, ["serve", model, "--port", "0", "--chat-template", str(root / "tools.jinja")])
     assert result.exit_code == 0, result.output
     assert seen["chat_template"] == Path(root / "tools.jinja").read_text()

@@ -5,8 +5,12 @@ Bad input (a config error) exits with code 2 and a one-paragraph message on stde
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import json
+import os
 import re
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -15,7 +19,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from tether.config import ConfigError, RunConfig, load_config
+from tether.agent.loop import LoopLimits
+from tether.cli_common import Files, Overrides, check_checkpoint, check_run_dir, check_weights, fail, load_or_exit
+from tether.config import ConfigError
+from tether.config.explain import explain as explain_key
+from tether.config.plan import Plan
+from tether.env.tau2 import passk
+from tether.llm import BadRequest, LLMClient, LLMError, MalformedResponse
+from tether.llm.errors import display_url
+from tether.pipeline.evaluate import eval_metrics, evaluate
+from tether.pipeline.preemption import Preempted
+from tether.pipeline.progress import Progress
+from tether.pipeline.rollouter import Rollouter, RolloutError
+from tether.verify.cli import verify_app
+from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
+
+# The commands that train, evaluate or serve import torch and transformers (seconds) in their bodies, one import
+# per module they use: `tether --help` and `tether config` start without them.
 
 app = typer.Typer(
     help="Agentic RL for tool-using LLMs that tells you whether the run is learning.",
@@ -23,61 +43,15 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-Files = Annotated[list[Path], typer.Argument(help="YAML config files, merged in order (later wins).")]
-Overrides = Annotated[
-    list[str] | None,
-    typer.Option("--set", help="Override one key, e.g. --set learner.batch_size=32 (value parsed as YAML)."),
-]
+app.add_typer(verify_app, name="verify")
 
 
 @app.callback()
 def main() -> None:
     """tether: train, evaluate and verify tool-using agents."""  # keeps `tether CMD` form with one command
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 — transformers: seconds, not for --help
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the training progress
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` to stderr as an error and return the Exit to raise."""
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(code)
-
-
-def load_or_exit(files: list[Path], overrides: list[str] | None) -> RunConfig:
-    """The merged config, or exit 2 with the error (for every command that takes configs)."""
-    try:
-        return load_config(files, overrides or ())
-    except ConfigError as e:
-        raise fail(str(e)) from None
-
-
-def check_weights(folder: Path) -> None:
-    """Exit 2 naming the first ``*.safetensors`` file of ``folder`` whose header cannot be read (a torn or
-    corrupt checkpoint), instead of a traceback from deep inside ``from_pretrained``."""
-    from safetensors import safe_open
-
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 — SafetensorError, OSError: all mean "this file is unusable"
-            raise fail(f"{path} is not a readable safetensors file ({e}); the checkpoint is corrupt or "
-                       f"incomplete") from None
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Exit 2 when ``run_dir`` is a file or cannot be written (checked before anything is written)."""
-    import os
-
-    probe = run_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise fail(f"--run-dir {run_dir}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise fail(f"--run-dir {run_dir} is not writable ({probe}: permission denied or a read-only file system)")
 
 
 @app.command()
@@ -92,8 +66,6 @@ def config(
     """Validate and merge config FILES, then print the resolved config as YAML (secrets redacted), with a
     `# warning:` line for each value that cannot act within the run. --explain KEY describes one key instead."""
     if explain is not None:
-        from tether.config.explain import explain as explain_key
-
         try:
             typer.echo(explain_key(explain, files or (), set_ or ()))
         except ConfigError as e:
@@ -104,7 +76,7 @@ def config(
     cfg = load_or_exit(files, set_)
     keys = [s.partition("=")[0] for s in set_ or ()]  # values could be secrets: never echo them
     header = f"# resolved from: {', '.join(map(str, files))}" + "".join(f" --set {k}" for k in keys)
-    derived = ", ".join(f"{k}={v}" for k, v in cfg.derived().items())
+    derived = ", ".join(f"{k}={v}" for k, v in Plan.of(cfg).totals().items())
     warnings = "".join(f"# warning: {w}\n" for w in cfg.warnings())
     text = f"{header}\n# derived: {derived}\n{warnings}{cfg.to_yaml()}"
     console = Console(soft_wrap=True)
@@ -137,18 +109,12 @@ def train(
     Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 3 stopped by a monitor
     (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
     checkpoint (resume with --resume)."""
-    import time
-
-    from tether.distributed.ray_backend import TrainerActorFailed, train_on_ray
-    from tether.distributed.remote import RolloutActorLost
-    from tether.learner.checkpoint import latest_checkpoint
-    from tether.pipeline.monitors import MonitorStop
-    from tether.pipeline.preemption import Preempted
-    from tether.pipeline.rollouter import RolloutError
-    from tether.pipeline.trainer import train
+    from tether.distributed import ray_backend, remote  # noqa: PLC0415 — torch, transformers: not for --help
+    from tether.learner.checkpoint import latest_checkpoint  # noqa: PLC0415 — as above
+    from tether.pipeline import monitors, trainer  # noqa: PLC0415 — as above
 
     cfg = load_or_exit(files, set_)
-    run_training = train_on_ray if cfg.backend == "ray" else train  # the same loop, in Ray actors or here
+    run_training = ray_backend.train_on_ray if cfg.backend == "ray" else trainer.train  # one loop: in actors or here
     if resume and run_dir is None:
         raise fail("--resume needs --run-dir (the run to continue)")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -158,9 +124,9 @@ def train(
             check_weights(folder)
     try:
         result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
-    except (Preempted, MonitorStop) as e:
+    except (Preempted, monitors.MonitorStop) as e:
         hint = ("change the keys the warnings above name, then resume with (adding --allow-config-change KEY for "
-                "each changed key)") if isinstance(e, MonitorStop) else "resume with"
+                "each changed key)") if isinstance(e, monitors.MonitorStop) else "resume with"
         Console(stderr=True, soft_wrap=True).print(
             f"{escape(str(e))}\n{hint}: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
@@ -168,8 +134,6 @@ def train(
         raise fail(str(e)) from None
     except OSError as e:
         if e.errno == errno.ENOSPC:  # whatever was being written: the last complete checkpoint stands
-            from tether.learner.checkpoint import latest_checkpoint
-
             last = latest_checkpoint(run_dir)
             raise fail(f"no space left on the device of {run_dir} ({e.filename or 'while writing'}); the last complete "
                        f"checkpoint is {last or 'none'}: free space, then resume with: "
@@ -177,7 +141,7 @@ def train(
         raise fail(str(e), code=1) from None
     except RolloutError as e:  # every episode of a group failed
         raise fail(str(e), code=1) from None
-    except (TrainerActorFailed, RolloutActorLost) as e:  # backend: ray — the last complete checkpoint stands
+    except (ray_backend.TrainerActorFailed, remote.RolloutActorLost) as e:  # ray: the last complete checkpoint stands
         raise fail(f"{e}: {_resume_command(files, set_, run_dir)}", code=1) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
@@ -187,7 +151,7 @@ def train(
 def _print_report(run_dir: Path) -> None:
     """Build RUN/report and print its page; the run is done, so a failure here is a warning, not an exit."""
     try:
-        from tether.report import build_report
+        from tether.report import build_report  # noqa: PLC0415 — matplotlib: not for --help
 
         typer.echo(f"report: {build_report(run_dir).index}")
     except Exception as e:  # noqa: BLE001 — any fault of the plots must not fail a finished training run
@@ -215,15 +179,11 @@ def sft(
 ) -> None:
     """Supervised warm start: fine-tune the config's model on demonstrations (the tokens the agent loop would
     produce, mask-1 only), then write a Hugging Face checkpoint to train from (model.path)."""
-    import time
+    import torch  # noqa: PLC0415 — torch, transformers: not for --help
 
-    import torch
-
-    from tether.agent.loop import LoopLimits
-    from tether.learner.model import load_model_and_tokenizer
-    from tether.learner.sft import sft as fine_tune
-    from tether.runtime import env_factory, model_path
-    from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
+    from tether.learner.model import load_model_and_tokenizer  # noqa: PLC0415 — as above
+    from tether.learner.sft import sft as fine_tune  # noqa: PLC0415 — as above
+    from tether.runtime import env_factory, model_path  # noqa: PLC0415 — as above
 
     cfg = load_or_exit(files, set_)
     if (demos is None) == (not expert):
@@ -274,19 +234,10 @@ def eval_(
 ) -> None:
     """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task, or --trials sampled ones) and print
     pass^k per task kind (tau-bench's pass^k: mean over tasks of C(successes, k) / C(trials, k))."""
-    import asyncio
-    import json
-
-    from tether.env.tau2 import passk
-    from tether.pipeline.evaluate import eval_metrics, evaluate
-    from tether.pipeline.progress import Progress
-    from tether.pipeline.rollouter import Rollouter
-    from tether.runtime import Runtime
+    from tether.runtime import Runtime  # noqa: PLC0415 — torch, transformers: not for --help
 
     cfg = load_or_exit(config_files, set_)
-    if not (checkpoint / "config.json").is_file():
-        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass RUN/checkpoints/step_N")
-    check_weights(checkpoint)
+    check_checkpoint(checkpoint)
     try:
         rt = Runtime.build(cfg, str(checkpoint))
     except (ConfigError, OSError, ValueError) as e:  # e.g. engine.max_tokens past the model's positions
@@ -341,10 +292,7 @@ def serve(
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (chat and text completions, token ids in and out,
     weight updates) on the local engine; prints the address, runs until Ctrl-C. Exit 2 on bad input."""
-    import os
-
-    from tether.serve.server import read_chat_template
-
+    from tether.serve import server  # noqa: PLC0415 — torch: not for --help
 
     api_key = None
     if api_key_env is not None:
@@ -354,18 +302,14 @@ def serve(
         if not api_key.strip():
             raise fail(f"--api-key-env {api_key_env}: the variable {api_key_env} is empty")
     cfg = load_or_exit(config_files or [], set_)
-    if not (checkpoint / "config.json").is_file():
-        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass a Hugging Face model folder")
-    check_weights(checkpoint)
+    check_checkpoint(checkpoint, "pass a Hugging Face model folder")
     try:
-        template = None if chat_template is None else read_chat_template(chat_template)
+        template = None if chat_template is None else server.read_chat_template(chat_template)
     except ValueError as e:
         raise fail(str(e)) from None
-    from tether.serve import serve as run_server
-
     try:
-        run_server(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
-                   api_key_env=api_key_env, chat_template=template)
+        server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
+                     api_key_env=api_key_env, chat_template=template)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:
@@ -386,13 +330,6 @@ def ping(
 ) -> None:
     """One chat request to the llm_client endpoint ("ping", max_tokens 8, no retries): prints the reply and the
     latency, or what to check. Exit 0 ok, 1 endpoint fault, 2 bad config or environment."""
-    import asyncio
-    import json
-    import time
-
-    from tether.llm import BadRequest, LLMClient, LLMError, MalformedResponse
-    from tether.llm.errors import display_url
-
     overrides = list(set_ or [])
     if api_key_env is not None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
@@ -443,7 +380,7 @@ def report(
 ) -> None:
     """Plot a run's metrics: one PNG per figure (success and reward, learning signal, KL and entropy, staleness,
     queue, idle ratios, reward components, monitors) and one self-contained HTML page, index.html."""
-    from tether.report import ReportError, build_report
+    from tether.report import ReportError, build_report  # noqa: PLC0415 — matplotlib: not for --help
 
     try:
         built = build_report(run_dir, out)
@@ -453,11 +390,6 @@ def report(
         typer.echo(f"note: {note}")
     typer.echo(f"{len(built.figures)} figures: {', '.join(p.name for p in built.figures)}")
     typer.echo(f"report: {built.index}")
-
-
-from tether.verify.cli import verify_app  # noqa: E402 — below ``app``; verify commands import from here
-
-app.add_typer(verify_app, name="verify")
 
 
 if __name__ == "__main__":  # python -m tether.cli

@@ -1,19 +1,25 @@
 """The ``tether verify`` sub-commands (registered on ``tether.cli.app`` as ``verify``).
 
 Exit codes, for every sub-command: 0 all criteria hold, 1 some failed (the diagnosis is printed), 2 bad input.
-Imports of ``tether.cli`` are inside the commands: ``tether.cli`` imports this module to register it.
+The sub-commands that build a model or train import torch and transformers in their bodies (``tether --help``
+starts without them).
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    from tether.verify.criteria import Report
+from tether.cli_common import check_checkpoint, fail, load_or_exit
+from tether.config import ConfigError
+from tether.pipeline.rollouter import RolloutError
+from tether.verify import async_checks
+from tether.verify import optim as optim_checks
+from tether.verify.criteria import Report, VerifyInputError, render
 
 verify_app = typer.Typer(
     help="Check that a run is actually learning: environment, async pipeline, optimisation, train/deploy "
@@ -40,16 +46,16 @@ def env(
     stay in the verifier's range, each termination condition fires when it should, every verifier component
     scores, the anti-hacking detectors fire on planted hacks. Prints a table of checks and a diagnosis naming the
     config key for each failure. Exit 0 all hold (warnings allowed), 1 a check failed, 2 bad input."""
-    from tether.cli import fail, load_or_exit
-    from tether.verify.env import exit_code, render, verify_env
+    from tether.verify import env as env_checks  # noqa: PLC0415 — transformers: not for --help
 
     cfg = load_or_exit(files, set_)
     try:
-        checks = verify_env(cfg, num_tasks=tasks, random_episodes=random_episodes, seed=seed, policy=policy)
+        checks = env_checks.verify_env(cfg, num_tasks=tasks, random_episodes=random_episodes, seed=seed,
+                                       policy=policy)
     except (ValueError, KeyError) as e:  # an environment the config cannot build (unknown name, tool, check)
         raise fail(str(e)) from None
-    typer.echo(render(checks))
-    raise typer.Exit(exit_code(checks))
+    typer.echo(env_checks.render(checks))
+    raise typer.Exit(env_checks.exit_code(checks))
 
 
 Steps = Annotated[int | None, typer.Option(
@@ -59,9 +65,7 @@ Steps = Annotated[int | None, typer.Option(
 
 def _short_run(files: list[Path], set_: list[str] | None, steps: int, run_dir: Path) -> None:
     """Train the merged config for ``steps`` steps into ``run_dir`` (exit 2 on bad input, 1 when it fails)."""
-    from tether.cli import fail, load_or_exit
-    from tether.pipeline.rollouter import RolloutError
-    from tether.pipeline.trainer import train
+    from tether.pipeline.trainer import train  # noqa: PLC0415 — torch, transformers: not for --help
 
     cfg = load_or_exit(files, [*(set_ or ()), f"trainer.total_steps={steps}", f"trainer.save_every={steps}"])
     try:
@@ -85,9 +89,7 @@ def optim(
     optim/grad_norm in [0.1, 10], optim/kl_divergence below kl_control.max_kl. Prints the criteria with pass/fail
     counts, the steps that failed, and a diagnosis with the keys to change for each failed one.
     Exit 0 all hold, 1 some failed, 2 bad input."""
-    from tether.verify.optim import verify_run
-
-    _verify(paths, set_, steps, verify_run)
+    _verify(paths, set_, steps, optim_checks.verify_run)
 
 
 @verify_app.command("async")
@@ -104,26 +106,17 @@ def async_(
     dropped + stale + queued); the parameter version advances by one every trigger_parameter_sync_step steps;
     both sides busy (trainer and rollouter idle ratios < 0.95 on average). Exit 0 all hold, 1 some failed, 2 bad
     input (a sync config among them: nothing async to check)."""
-    from tether.cli import fail, load_or_exit
-    from tether.verify.async_checks import check_mode, verify_run
-    from tether.verify.criteria import VerifyInputError
-
     if not (len(paths) == 1 and paths[0].is_dir()):
         try:
-            check_mode(load_or_exit(paths, set_).rollout.mode)
+            async_checks.check_mode(load_or_exit(paths, set_).rollout.mode)
         except VerifyInputError as e:
             raise fail(str(e)) from None
-    _verify(paths, set_, steps, verify_run)
+    _verify(paths, set_, steps, async_checks.verify_run)
 
 
 def _verify(paths: list[Path], set_: list[str] | None, steps: int | None,
             verify_run: Callable[[Path, int | None], Report]) -> None:
     """Check a run directory, or a short run of the configs ``paths`` in a temporary one; print and exit."""
-    import tempfile
-
-    from tether.cli import fail
-    from tether.verify.criteria import VerifyInputError, render
-
     try:
         if len(paths) == 1 and paths[0].is_dir():
             report = verify_run(paths[0], steps)
@@ -164,26 +157,22 @@ def consistency(
     length; it must be above 0.9. Prints per-task results, and where the actions first differ with the cause:
     tokenizer, chat template, tool schema rendering or sampling settings (from the two prompts and settings of that
     turn). Exit 0 above 0.9, 1 at or below, 2 bad input."""
-    from tether.cli import check_weights, fail, load_or_exit
-    from tether.config import ConfigError
-    from tether.serve.server import read_chat_template
-    from tether.verify.consistency import SPLITS, check_consistency, exit_code, render
+    from tether.serve.server import read_chat_template  # noqa: PLC0415 — torch: not for --help
+    from tether.verify import consistency as checks  # noqa: PLC0415 — as above
 
-    if split not in SPLITS:
-        raise fail(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    if split not in checks.SPLITS:
+        raise fail(f"--split {split!r}: choose one of {', '.join(checks.SPLITS)}")
     if top_p is not None and top_p <= 0:
         raise fail(f"--top-p {top_p}: must be above 0 (1 keeps the whole distribution)")
     cfg = load_or_exit(config_files or [], set_)
-    if not (checkpoint / "config.json").is_file():
-        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); pass RUN/checkpoints/step_N")
-    check_weights(checkpoint)
+    check_checkpoint(checkpoint)
     overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("max_tokens", max_tokens))
                  if v is not None}
     try:
         template = None if chat_template is None else read_chat_template(chat_template)
-        report = check_consistency(checkpoint, cfg, num_tasks=tasks, split=split, chat_template=template,
-                                   deploy_sampling=overrides)
+        report = checks.check_consistency(checkpoint, cfg, num_tasks=tasks, split=split, chat_template=template,
+                                          deploy_sampling=overrides)
     except (ConfigError, OSError, ValueError) as e:
         raise fail(str(e)) from None
-    render(report, typer.echo)
-    raise typer.Exit(exit_code(report))
+    checks.render(report, typer.echo)
+    raise typer.Exit(checks.exit_code(report))
