@@ -8,6 +8,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -64,6 +67,23 @@ def test_tether_train_runs_the_custom_env_end_to_end(tiny_model, tmp_path, monke
     # model's text is rarely a parsable call; the scripted episodes below call calculate)
     assert calls["respond_to_user"] > 0, calls
     assert (run_dir / "checkpoints" / "step_2" / "config.json").is_file()
+
+
+def test_the_module_is_found_beside_the_config_from_another_directory(tiny_model, tmp_path):
+    """`tether train examples/custom_env/config.yaml` from the repository root (a fresh process: nothing on sys.path
+    but what tether puts there): ``calc_env:environment`` is looked up beside the config file, not only in the current
+    directory."""
+    root = EXAMPLE.parents[1]
+    tether = Path(sys.executable).with_name("tether")
+    result = subprocess.run([str(tether), "train", str(EXAMPLE.relative_to(root) / "config.yaml"),
+                             "--set", "model.preset=null", "--set", f"model.path={tiny_model}",
+                             "--set", "trainer.total_steps=1", "--set", "environment.num_eval_tasks=2",
+                             "--run-dir", str(tmp_path / "run")],
+                            cwd=root, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "run directory:" in result.stdout
+    assert "reward/correct" in (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
 def call(name, **args):

@@ -31,8 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transformers.utils import get_json_schema
-
 from tether.env.tools import Latency, Tool
 
 STATE = "state"  # the parameter the environment fills with the episode's state
@@ -65,6 +63,8 @@ def function_schema(fn: Fn, params: Sequence[str] | None = None, *, name: str | 
     """The OpenAI tool schema of ``fn`` offering ``params`` (default: every parameter but ``state``), in that order.
 
     Raises ``ValueError`` with transformers' reason when a parameter lacks a type hint or a docstring line."""
+    from transformers.utils import get_json_schema  # noqa: PLC0415 — keeps `tether --help` free of transformers
+
     sig = parameters_of(fn)
     order = list(sig) if params is None else list(params)
     try:

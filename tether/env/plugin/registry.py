@@ -7,8 +7,9 @@ An environment is a pair ``(make_env(config), list_tasks(split, config))`` — `
 1. ``tau2:<domain>`` — tau2-bench's domain through ``tether.env.tau2.environment(domain)``, imported only then
    (the optional extra ``tether[tau2]``);
 2. a name in ``ENVIRONMENTS`` (built in: ``customer_service_agent``; ``register(name, env)`` adds one);
-3. an import path ``package.module:attribute`` (the current directory is searched too, as ``uvicorn`` does, so
-   ``tether train`` finds a module beside the config it is run from);
+3. an import path ``package.module:attribute``; a module not on ``sys.path`` is looked for in the current
+   directory (as ``uvicorn`` does) and beside the config files (``search_beside``: the CLI names them), so
+   ``tether train examples/custom_env/config.yaml`` finds ``calc_env.py`` from any directory;
 4. an entry point of the ``tether.environments`` group, named like the environment — how a third-party package
    registers one (``[project.entry-points."tether.environments"] my_env = "my_pkg.env:environment"``).
 """
@@ -16,10 +17,12 @@ An environment is a pair ``(make_env(config), list_tasks(split, config))`` — `
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tether.types import Task
@@ -29,6 +32,8 @@ TAU2_PREFIX = "tau2:"
 EnvPair = tuple[Callable[[Any], Any], Callable[[str, Any], list[Task]]]
 # name -> an environment, or the import path of one (imported when selected)
 ENVIRONMENTS: dict[str, Any] = {"customer_service_agent": "tether.env.customer_service.env:environment"}
+# folders an import path's module is looked for in when it is not on sys.path (after the current directory)
+_BESIDE: list[str] = []
 
 
 class EnvironmentNotFound(ValueError):
@@ -64,9 +69,17 @@ def as_pair(obj: Any, where: str) -> EnvPair:
                               "arguments returning one")
 
 
+def search_beside(config_files: Sequence[str | Path]) -> None:
+    """Look for an import path's module beside each of ``config_files`` too (after the current directory), so a
+    config naming ``my_env:environment`` finds ``my_env.py`` next to itself wherever the command is run from."""
+    for folder in dict.fromkeys(str(Path(f).resolve().parent) for f in config_files):
+        if folder not in _BESIDE:
+            _BESIDE.append(folder)
+
+
 def load_import_path(path: str) -> Any:
-    """The attribute ``path`` = ``package.module:attribute`` names, importing its module (from the current
-    directory too)."""
+    """The attribute ``path`` = ``package.module:attribute`` names, importing its module (from sys.path, else the
+    current directory, else beside the config files)."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise EnvironmentNotFound(f"environment.name {path!r}: an import path is 'package.module:attribute'")
@@ -74,15 +87,21 @@ def load_import_path(path: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         top = module_name.split(".")[0]
-        if e.name != top or os.getcwd() in sys.path:
+        folders = [d for d in dict.fromkeys([os.getcwd(), *_BESIDE]) if d not in sys.path]
+        if e.name != top or not folders:
             raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} ({e})") from e
-        sys.path.insert(0, os.getcwd())  # a module beside the config, as `python -m` would find it
+        for folder in folders:  # the first one that holds the module goes on sys.path, as `python -m` would put it
+            if importlib.machinery.PathFinder.find_spec(top, [folder]) is not None:
+                sys.path.insert(0, folder)
+                break
+        else:
+            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} from sys.path, the "
+                                      f"current directory or beside the config ({', '.join(folders)})") from e
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e2:
-            sys.path.remove(os.getcwd())
-            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} from sys.path or "
-                                      f"the current directory {os.getcwd()} ({e2})") from e2
+            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} from {folder} "
+                                      f"({e2})") from e2
     obj: Any = module
     for part in attr.split("."):
         try:
