@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
+from tether.llm import BadRequest, LLMError, MalformedResponse
 from tether.metrics import BusyClock
 
 T = TypeVar("T")
@@ -90,8 +91,6 @@ class RemoteEngine:
         return self._version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        from tether.llm import LLMError
-
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
@@ -131,8 +130,6 @@ class RemoteEngine:
         """Push ``state_dict`` to the server as ``version``; returns once the server has loaded it."""
         if self._closed:
             raise RuntimeError("RemoteEngine is closed")
-        from tether.llm import BadRequest
-
         t0 = time.perf_counter()
         if self.weight_sync_dir is None:
             payload = state_bytes(state_dict)
@@ -240,8 +237,6 @@ def parse_choice(choice: Any, version: int, url: str) -> GenerationResult:
     """A completion choice as a GenerationResult; ``version`` tags the tokens when the server gives none.
 
     Raises MalformedResponse naming the missing field: training needs the exact ids and their logprobs."""
-    from tether.llm import MalformedResponse
-
     def bad(what: str) -> MalformedResponse:
         shown = json.dumps(choice)[:500]
         return MalformedResponse(f"POST {url}: {what}. The remote engine trains on the server's token ids and "
@@ -277,8 +272,6 @@ def parse_choice(choice: Any, version: int, url: str) -> GenerationResult:
 
 
 def _check_update(answer: Any, version: int, url: str) -> None:
-    from tether.llm import MalformedResponse
-
     if not isinstance(answer, dict) or answer.get("success") is False:
         raise MalformedResponse(f"POST {url}: the server did not load the weights of version {version}: "
                                 f"{str(answer)[:500]}", url=url)

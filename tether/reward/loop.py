@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 from tether.env.verifier import JudgeView, PendingRubrics
 from tether.llm import LLMError, LLMTimeout
 from tether.metrics import record_metric
+from tether.reward.judge_llm import LLMJudge
 from tether.reward.rubrics import UnparseableJudgeAnswer, cache_key, render
 from tether.types import Trajectory
 
@@ -92,8 +93,6 @@ class RewardLoop:
         v = cfg.environment.verifier
         if v.judge != "llm" or v.type == "rule" or not v.model_based:
             return None
-        from tether.reward.judge_llm import LLMJudge
-
         r = cfg.reward
         return cls(LLMJudge.from_config(r), workers=r.workers, cache_size=r.cache_size, on_failure=r.on_judge_failure)
 

@@ -35,8 +35,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import tether.serve.responses as responses
+import tether.serve.weights as weights
 from tether.engine.base import InferenceEngine
-from tether.serve import responses, weights
 from tether.serve.generation import APIError, Generator, sampling_params
 from tether.serve.protocol import (
     ChatCompletionRequest,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tether.agent.chat import render_ids
+from tether.agent.parsers import get_parser
 from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
 
 
@@ -87,8 +88,6 @@ class Generator:
 
     def __init__(self, engine: InferenceEngine, tokenizer: Any, *, model: Any = None, parser: str = "hermes",
                  extra_stop_ids: tuple[int, ...] = ()):
-        from tether.agent.parsers import get_parser
-
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.parse = get_parser(parser)
         config = getattr(model, "config", None)

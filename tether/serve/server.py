@@ -18,6 +18,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from tether.config import RunConfig
+from tether.config.plan import Plan
+from tether.learner.model import load_model_and_tokenizer
+from tether.runtime import local_engine
+from tether.serve.app import make_app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -58,11 +62,6 @@ def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: s
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``)."""
-    from tether.config.plan import Plan
-    from tether.learner.model import load_model_and_tokenizer
-    from tether.runtime import local_engine
-    from tether.serve.app import make_app
-
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
     if chat_template is not None:
         tokenizer.chat_template = chat_template

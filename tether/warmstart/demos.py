@@ -46,7 +46,9 @@ from tether.agent.chat import ChatAssembler
 from tether.agent.loop import LoopLimits
 from tether.agent.replay import demonstrate
 from tether.env.base import Action, Env, Observation
+from tether.env.customer_service import ScriptedExpert
 from tether.types import Task, Trajectory
+from tether.warmstart.imperfect_expert import ImperfectExpert
 
 ROLES = ("system", "user", "assistant", "tool")
 _ANCHOR = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -59,9 +61,6 @@ class DemoError(ValueError):
 # -- experts ---------------------------------------------------------------------------------------------
 
 def _customer_service_expert(mistake_rate: float, rng: random.Random) -> Callable[[Observation], Action]:
-    from tether.env.customer_service import ScriptedExpert
-    from tether.warmstart.imperfect_expert import ImperfectExpert
-
     return (ImperfectExpert(mistake_rate, rng) if mistake_rate > 0 else ScriptedExpert()).act
 
 

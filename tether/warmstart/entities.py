@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tether.env.customer_service.env import environment_config
 from tether.env.customer_service.tasks import generate
 from tether.env.customer_service.world import POLICIES, World
+from tether.learner.sft import warmup_cosine
 from tether.types import Trajectory
 
 # Each class and the word that asks for one of its entities in the copy task.
@@ -188,8 +189,6 @@ class CopyTask:
 def copy_pretrain(model: Any, task: CopyTask, *, steps: int = 100, lr: float = 3e-3, batch_size: int = 32,
                   log: Any = None) -> float:
     """Train the copy task alone; returns the last batch's loss."""
-    from tether.learner.sft import warmup_cosine
-
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = warmup_cosine(opt, steps, warmup=10)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tether.env.customer_service import grading
+import tether.env.customer_service.grading as grading
 from tether.env.customer_service.expert import ScriptedExpert
 from tether.env.customer_service.tasks import Bundle, generate
 from tether.env.customer_service.user_sim import LLMUserSimulator, UserSimulator, make_user

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tether.config import EnvironmentConfig, RunConfig
+from tether.config import EnvironmentConfig, RunConfig, load_config
 from tether.env.anti_hacking import HackingDetector, penalty_of, state_digest
 from tether.env.base import Action, Observation, StepOutput, run_step
 from tether.env.memory import KeepRecentK, TurnRecord, make_memory
@@ -76,8 +76,6 @@ def environment_config(config: Any = None) -> EnvironmentConfig:
     if isinstance(config, RunConfig):
         return config.environment
     if isinstance(config, (str, Path)):
-        from tether.config import load_config
-
         return load_config(config).environment
     if isinstance(config, Mapping):
         if "environment" not in config:

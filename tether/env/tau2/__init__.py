@@ -29,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tether.env.tau2._load import DOMAINS, INSTALL_HINT, available, check_domain
+from tether.env.tau2._load import DOMAINS, INSTALL_HINT, available, check_domain, splits, tasks_by_id
+from tether.env.tau2.env import Tau2Env, solo_compatible
+from tether.env.tau2.user import LLMUser, client_chat
+from tether.types import Task
 
 __all__ = ["DOMAINS", "INSTALL_HINT", "available", "environment", "list_tasks", "make_env"]
 
@@ -82,8 +85,6 @@ def make_env(domain: str, cfg: Any = None) -> Any:
     otherwise skipped), ``environment.state.max_turns`` (tau2's ``max_steps``), ``environment.termination.
     tool_error_threshold`` (tau2's ``max_errors``), ``environment.verifier.anti_hacking``, ``environment.state.
     memory``."""
-    from tether.env.tau2.env import Tau2Env
-
     check_domain(domain)
     environment = getattr(cfg, "environment", None)
     if environment is None:
@@ -94,8 +95,6 @@ def make_env(domain: str, cfg: Any = None) -> Any:
                          f"{environment.name!r}); remove them")
     user_factory = None
     if not solo(cfg):
-        from tether.env.tau2.user import LLMUser, client_chat
-
         spec = environment.user_llm
         chat = client_chat(spec.client, max_tokens=spec.max_tokens, temperature=spec.temperature)
 
@@ -104,8 +103,6 @@ def make_env(domain: str, cfg: Any = None) -> Any:
     judge = None
     judge_client = getattr(getattr(cfg, "reward", None), "judge_client", None)
     if environment.verifier.judge == "llm" and judge_client is not None:
-        from tether.env.tau2.user import client_chat
-
         reward = cfg.reward
         judge = client_chat(judge_client, max_tokens=max(reward.judge_max_tokens, 1024),
                             temperature=reward.judge_temperature)
@@ -121,10 +118,6 @@ def list_tasks(domain: str, split: str, cfg: Any = None) -> list[Any]:
     ``base`` or ``all`` (every task). mock has no split: each is all 9 tasks. In solo mode, tasks that open with
     user messages (2 of mock's) are left out: tau2 has no solo episode for them. At most
     ``environment.num_train_tasks`` (train) or ``num_eval_tasks`` (the others) of them, the first ones."""
-    from tether.env.tau2._load import splits, tasks_by_id
-    from tether.env.tau2.env import solo_compatible
-    from tether.types import Task
-
     by_id = tasks_by_id(check_domain(domain))
     names = splits(domain)
     key = {"train": "train", "eval": "test", "test": "test", "base": "base", "all": "base"}.get(split)

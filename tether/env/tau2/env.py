@@ -47,9 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import tether.env.tau2.scoring as scoring
 from tether.env.anti_hacking import HackingDetector, penalty_of
 from tether.env.base import Action, Observation, StepOutput, run_step
-from tether.env.tau2 import scoring
+from tether.env.memory import make_memory
 from tether.env.tau2._load import load, make_environment, tasks_by_id, tau2_solo
 from tether.env.tau2.user import is_stop
 from tether.env.termination import CUT_REASONS
@@ -322,8 +323,6 @@ class Tau2Env:
     def context_memory(self) -> Any:
         if self.memory is None:
             return None
-        from tether.env.memory import make_memory
-
         return make_memory(self.memory)
 
     # -- inspection -------------------------------------------------------------------------------------

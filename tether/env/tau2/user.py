@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tether.env.tau2._load import load
+from tether.llm import LLMClient
 
 STOP_TOKENS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
 ChatFn = Callable[[list[dict[str, Any]]], str]  # OpenAI-style messages -> reply text (blocking)
@@ -34,8 +35,6 @@ def client_chat(section: Any, *, max_tokens: int = 512, temperature: float = 0.0
     """A blocking chat call to the endpoint of an ``llm_client``-style section, through ``tether.llm``: one fresh
     client per call (each call runs in its own event loop on a helper thread; the endpoint's limits are shared
     across loops by ``tether.llm.limits``)."""
-    from tether.llm import LLMClient
-
     def chat(messages: list[dict[str, Any]]) -> str:
         async def once() -> str:
             async with LLMClient.from_config(section) as client:
