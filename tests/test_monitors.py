@@ -225,7 +225,7 @@ def test_a_parser_that_never_parses_is_diagnosed_by_verify_env_and_the_monitors(
                            limits=limits, parser="pythonic")
     traj = asyncio.run(loop.run(task, make_env()))
     assert traj.num_tool_calls == 0 and "<tool_call>" in traj.messages[2]["content"]
-    (calls,) = [ch for ch in check_policy(c, [traj]) if ch.name == "policy/tool calls"]
+    (calls,) = [ch for ch in check_policy(c.environment, c.tool_parser.name, [traj]) if ch.name == "policy/tool calls"]
     assert calls.status == "fail" and "tool_parser.name = pythonic" in calls.diagnosis
     recorder = MetricsRecorder()
     prev = set_recorder(recorder)

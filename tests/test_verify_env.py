@@ -122,7 +122,7 @@ def test_a_stuck_component_and_an_out_of_range_reward_are_flagged() -> None:
     assert check.status == "fail"
     assert "efficiency scored only [0.0]" in check.diagnosis
     assert "environment.verifier.model_based[1] (efficiency)" in check.diagnosis
-    assert reward_range(cfg) == (-4.0, 1.0)
+    assert reward_range(cfg.environment) == (-4.0, 1.0)
     check = check_range(probes)
     assert check.status == "fail" and "got reward 1.5, outside [-4, 1]" in check.diagnosis
 
@@ -132,14 +132,14 @@ def test_policy_calls_the_parser_does_not_read() -> None:
     call = '<tool_call>{"name": "query_inventory", "arguments": {"sku_id": "SKU-123"}}</tool_call>'
     unparsed = Trajectory("t", [1], messages=[{"role": "user", "content": "How many SKU-123?"},
                                               {"role": "assistant", "content": call}], reward=0.0)
-    checks = {c.name: c for c in check_policy(cfg, [unparsed, unparsed])}
+    checks = {c.name: c for c in check_policy(cfg.environment, cfg.tool_parser.name, [unparsed, unparsed])}
     assert checks["policy/reward range"].status == "pass"
     assert checks["policy/tool calls"].status == "fail"
     assert "tool_parser.name = hermes" in checks["policy/tool calls"].diagnosis
     parsed = Trajectory("t", [1], messages=[
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "query_inventory"}}]},
         {"role": "tool", "content": '{"sku_id": "SKU-123", "stock": 30}\nstate: {}'}], reward=1.0, num_tool_calls=1)
-    assert all(c.status == "pass" for c in check_policy(cfg, [parsed]))
+    assert all(c.status == "pass" for c in check_policy(cfg.environment, cfg.tool_parser.name, [parsed]))
 
 
 def test_policy_episodes_through_the_agent_loop(tiny_model: str) -> None:

@@ -30,19 +30,31 @@ the no-op pass) are in env_generic.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
 
-from tether.config import RunConfig
+from tether.config import EnvironmentConfig, RunConfig
 from tether.env.termination import ESCALATED, MAX_TURNS, RESOLVED, TOOL_ERRORS, max_env_steps, max_turns_reachable
+from tether.pipeline.rollouter import Rollouter
+from tether.runtime import Runtime
 from tether.types import Trajectory
-from tether.verify.env_probes import (  # the probes the checks read
+from tether.verify.env_generic import (
+    check_do_nothing,
+    check_no_op_pass,
+    check_parser,
+    check_rendered,
+    check_schemas,
+    check_timeouts,
+)
+from tether.verify.env_probes import (  # the probes the checks read, the records they return
+    EPS,
+    Check,
     Episode,
     Probes,
+    Status,
     counted_weights,
     observation_problem,
     reward_range,
@@ -50,16 +62,7 @@ from tether.verify.env_probes import (  # the probes the checks read
     weights_key,
 )
 
-Status = Literal["pass", "fail", "warn", "skip"]
-EPS = 1e-6
-
-
-@dataclass
-class Check:
-    name: str
-    status: Status
-    seen: str  # what was observed, one line
-    diagnosis: str = ""  # on fail / warn: what is wrong and the config key to look at
+__all__ = ["EPS", "Check", "Status", "check_policy", "exit_code", "render", "run_policy", "verify_env"]
 
 
 def check_observations(p: Probes) -> Check:
@@ -106,7 +109,7 @@ def check_observations(p: Probes) -> Check:
 
 
 def check_range(p: Probes) -> Check:
-    lo, hi = reward_range(p.cfg)
+    lo, hi = reward_range(p.cfg.environment)
     rewards = [(r, ep) for ep in p.episodes() for r in ep.rewards]
     bad = [(r, ep) for r, ep in rewards if not (math.isfinite(r) and lo - EPS <= r <= hi + EPS)]
     seen_lo, seen_hi = min(r for r, _ in rewards), max(r for r, _ in rewards)
@@ -121,7 +124,8 @@ def check_range(p: Probes) -> Check:
         return Check("reward range", "fail", seen,
                      f"the counted weights sum to {hi:g}, so a solved episode scores {hi:g} > 1 and rewards leave "
                      f"[0, 1], the scale advantage_estimation.degenerate_group_filter.min_reward_std and the "
-                     f"success figures are read on; scale the weights to sum to 1: {weights_key(p.cfg)}")
+                     f"success figures are read on; scale the weights to sum to 1: "
+                     f"{weights_key(p.cfg.environment.verifier)}")
     return Check("reward range", "pass", seen)
 
 
@@ -141,7 +145,7 @@ def want_ending(ep: Episode) -> str | None:
 def check_success(p: Probes) -> Check:
     if p.no_expert:
         return Check("termination/success", "skip", f"no expert to solve a task: {p.no_expert}")
-    _, hi = reward_range(p.cfg)
+    _, hi = reward_range(p.cfg.environment)
     env = p.cfg.environment
     bad = []
     for ep in p.expert:
@@ -246,7 +250,7 @@ def check_components(p: Probes) -> Check:
             for k, v in comps.items():
                 values.setdefault(k, set()).add(round(float(v), 6))
     # tether's verifier: the configured components; another's (tau2's evaluator): the components it reported
-    weights = counted_weights(p.cfg) if p.tether_tools else {k: 1.0 for k in values}
+    weights = counted_weights(p.cfg.environment.verifier) if p.tether_tools else {k: 1.0 for k in values}
     counted = list(weights)
     stuck = {k: sorted(values.get(k, set())) for k in counted if len(values.get(k, set())) < 2}
     seen = ", ".join(f"{k}: {len(values.get(k, set()))} values" for k in counted) + f" over {n} episodes"
@@ -268,7 +272,8 @@ def check_components(p: Probes) -> Check:
     zero = [k for k in counted if weights[k] == 0]
     if zero:
         return Check("verifier components", "warn", seen,
-                     f"{zero} score but have weight 0: they never move the reward ({weights_key(p.cfg)})")
+                     f"{zero} score but have weight 0: they never move the reward "
+                     f"({weights_key(p.cfg.environment.verifier)})")
     return Check("verifier components", "pass", seen)
 
 
@@ -317,22 +322,13 @@ def check_hacking(p: Probes) -> list[Check]:
 def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8, seed: int = 0,
                policy: bool = False) -> list[Check]:
     """Run every probe on ``cfg``'s environment and return the checks (``policy``: also the policy's episodes)."""
-    from tether.verify.env_generic import (
-        check_do_nothing,
-        check_no_op_pass,
-        check_parser,
-        check_rendered,
-        check_schemas,
-        check_timeouts,
-    )
-
     probes = run_probes(cfg, num_tasks=num_tasks, random_episodes=random_episodes, seed=seed)
     checks = [check_schemas(probes), check_rendered(probes), check_parser(probes), check_observations(probes),
               check_timeouts(probes), check_range(probes), check_do_nothing(probes), check_no_op_pass(probes),
               check_success(probes), check_tool_errors(probes), check_max_turns(probes), check_components(probes),
               *check_hacking(probes)]
     if policy:
-        checks += check_policy(cfg, run_policy(cfg))
+        checks += check_policy(cfg.environment, cfg.tool_parser.name, run_policy(cfg))
     return checks
 
 
@@ -340,11 +336,6 @@ def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8,
 def run_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[Trajectory]:
     """``group_size`` episodes of each of the first ``num_tasks`` held-out tasks, by the configured policy through
     the configured agent loop (``Runtime`` + ``Rollouter``, as ``tether eval`` runs them)."""
-    import asyncio
-
-    from tether.pipeline.rollouter import Rollouter
-    from tether.runtime import Runtime
-
     rt = Runtime.build(cfg)
     try:
         groups = asyncio.run(Rollouter(rt.loop(), rt.make_env, rewards=rt.rewards).groups(rt.tasks("eval")[:num_tasks],
@@ -358,9 +349,10 @@ def run_policy(cfg: RunConfig, num_tasks: int = 4, group_size: int = 2) -> list[
 _CALL_TEXT = re.compile(r"<tool_call>|\{\s*\"name\"\s*:.*\"(arguments|parameters)\"", re.DOTALL)
 
 
-def check_policy(cfg: RunConfig, trajs: list[Trajectory]) -> list[Check]:
-    """The policy's episodes: rewards in range, tool messages structured, tool calls parsed."""
-    lo, hi = reward_range(cfg)
+def check_policy(environment: EnvironmentConfig, parser: str, trajs: list[Trajectory]) -> list[Check]:
+    """The policy's episodes (run under ``environment`` and the tool parser ``parser``): rewards in range, tool
+    messages structured, tool calls parsed."""
+    lo, hi = reward_range(environment)
     rewards = [t.reward for t in trajs]
     bad = [r for r in rewards if not (math.isfinite(r) and lo - EPS <= r <= hi + EPS)]
     seen = f"{len(trajs)} policy episodes, rewards in [{min(rewards, default=0):.3g}, {max(rewards, default=0):.3g}]"
@@ -385,7 +377,7 @@ def check_policy(cfg: RunConfig, trajs: list[Trajectory]) -> list[Check]:
     if written and (calls == 0 or len(written) > calls):
         out.append(Check("policy/tool calls", "fail", seen,
                          f"the model writes tool calls the parser does not read (e.g. {written[0]!r}): look at "
-                         f"tool_parser.name = {cfg.tool_parser.name} and tool_parser.stop_token_ids against the "
+                         f"tool_parser.name = {parser} and tool_parser.stop_token_ids against the "
                          f"model's chat template"))
     elif calls == 0:
         out.append(Check("policy/tool calls", "fail", seen,

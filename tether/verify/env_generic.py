@@ -20,10 +20,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from tether.verify.env import EPS, Check
-from tether.verify.env_probes import Probes, reward_range
+from transformers import AutoTokenizer
+
+from tether.agent.chat import render_ids
+from tether.agent.parsers import get_parser
+from tether.runtime import cache_dir, model_path
+from tether.verify.env_probes import EPS, Check, Probes, reward_range
+from tether.warmstart.tiny_sft import cache_key
 
 _TYPED = ("type", "enum", "anyOf", "oneOf", "allOf", "$ref", "const")
 
@@ -71,21 +77,12 @@ def check_schemas(p: Probes) -> Check:
 
 def _tokenizer(p: Probes) -> tuple[Any, str]:
     """The configured model's tokenizer without building a model (None and why not, otherwise)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
     model = p.cfg.model
     if model.path:
         path = model.path
     elif model.preset == "tiny":
-        from tether.runtime import model_path
-
         path = model_path(p.cfg)  # built once (seconds) and cached, as tether train would
     else:
-        from tether.runtime import cache_dir
-        from tether.warmstart.tiny_sft import cache_key
-
         path = str(cache_dir() / f"tiny-sft-{cache_key(p.cfg)}")
         if not Path(path, "config.json").is_file():
             return None, (f"the {model.preset} preset is not built yet (tether train or tether sft builds it, "
@@ -101,8 +98,6 @@ def check_rendered(p: Probes) -> Check:
     tokenizer, where = _tokenizer(p)
     if tokenizer is None:
         return Check(name, "skip", where)
-    from tether.agent.chat import render_ids
-
     messages = [{"role": "system", "content": p.system_prompt}, {"role": "user", "content": "Hello."}]
     try:
         text = tokenizer.decode(render_ids(tokenizer, messages, p.schemas, add_generation_prompt=True))
@@ -132,8 +127,6 @@ def write_call(parser: str, name: str, arguments: Mapping[str, Any]) -> str | No
 
 
 def check_parser(p: Probes) -> Check:
-    from tether.agent.parsers import get_parser
-
     parser = p.cfg.tool_parser.name
     first: dict[str, Any] = {}  # each tool's first probe: its valid (or well-typed) call
     for _, ep, _ in p.tools:
@@ -190,7 +183,7 @@ def check_timeouts(p: Probes) -> Check:
 
 
 def check_do_nothing(p: Probes) -> Check:
-    lo, hi = reward_range(p.cfg)
+    lo, hi = reward_range(p.cfg.environment)
     eps = p.nothing
     bad = []
     for ep in eps:

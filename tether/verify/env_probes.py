@@ -15,10 +15,10 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tether.agent.chat import observation_text
-from tether.config import RunConfig
+from tether.config import EnvironmentConfig, RunConfig, VerifierConfig
 from tether.env.base import Action, Env, Observation
 from tether.runtime import env_factory
 from tether.types import Task
@@ -105,9 +105,8 @@ def user_tool_of(env: Any) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------- the range
-def counted_weights(cfg: RunConfig) -> dict[str, float]:
+def counted_weights(v: VerifierConfig) -> dict[str, float]:
     """The weight of each component ``environment.verifier.type`` counts."""
-    v = cfg.environment.verifier
     out: dict[str, float] = {}
     if v.type != "model":
         out.update((r.check, r.weight) for r in v.rule_based)
@@ -116,17 +115,15 @@ def counted_weights(cfg: RunConfig) -> dict[str, float]:
     return out
 
 
-def reward_range(cfg: RunConfig) -> tuple[float, float]:
+def reward_range(env: EnvironmentConfig) -> tuple[float, float]:
     """[lowest, highest] reward the configured verifier can give: every counted component 1 at best; at worst
     every component 0 and each listed pattern flagged on every one of ``max_turns`` steps."""
-    env = cfg.environment
     ah = env.verifier.anti_hacking
     per_step = sum(ah.penalty.get(p, 0.0) for p in ah.detect_patterns) if ah.enabled else 0.0
-    return round(-per_step * env.state.max_turns, 9) + 0.0, round(sum(counted_weights(cfg).values()), 9)
+    return round(-per_step * env.state.max_turns, 9) + 0.0, round(sum(counted_weights(env.verifier).values()), 9)
 
 
-def weights_key(cfg: RunConfig) -> str:
-    v = cfg.environment.verifier
+def weights_key(v: VerifierConfig) -> str:
     parts = [f"rule_based[{i}].weight ({r.check}) = {r.weight:g}" for i, r in enumerate(v.rule_based)
              if v.type != "model"]
     parts += [f"model_based[{i}].weight ({r.rubric}) = {r.weight:g}" for i, r in enumerate(v.model_based)
@@ -290,6 +287,20 @@ class _Planted:
 
 
 # ----------------------------------------------------------------------------------------------- checks
+Status = Literal["pass", "fail", "warn", "skip"]
+EPS = 1e-6
+
+
+@dataclass
+class Check:
+    """One check's outcome, a row of ``tether verify env``'s table."""
+
+    name: str
+    status: Status
+    seen: str  # what was observed, one line
+    diagnosis: str = ""  # on fail / warn: what is wrong and the config key to look at
+
+
 @dataclass
 class Probes:
     """Every probe episode, by kind, and the configuration they ran under."""
