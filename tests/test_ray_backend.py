@@ -36,13 +36,13 @@ def test_a_pool_too_large_for_the_cluster_names_the_key_and_what_the_cluster_has
     cfg = load_config([], ["resource_pool.trainer_pool.num_gpus=8", "resource_pool.rollout_pool.num_gpus=8"])
     with pytest.raises(PoolTooLarge, match=r"`resource_pool.trainer_pool.num_gpus` = 8 is more than the cluster has: "
                                            r"the cluster has 2 CPUs and 0 GPUs"):
-        check_pools(cfg, {"CPU": 2.0})
+        check_pools(cfg.resource_pool, {"CPU": 2.0})
     both = load_config([], ["resource_pool.trainer_pool.num_cpus=2"])  # 2 + 1 CPUs side by side on 2
     with pytest.raises(PoolTooLarge, match=r"`resource_pool.trainer_pool.num_cpus` = 2 \+ "
                                            r"`resource_pool.rollout_pool.num_cpus` = 1 = 3 is more than"):
-        check_pools(both, {"CPU": 2.0})
-    check_pools(load_config([], []), {"CPU": 2.0})  # the defaults (1 CPU each) fit 2 CPUs
-    check_pools(cfg, {"CPU": 2.0, "GPU": 16.0})  # 8 + 8 GPUs fit 16
+        check_pools(both.resource_pool, {"CPU": 2.0})
+    check_pools(load_config([], []).resource_pool, {"CPU": 2.0})  # the defaults (1 CPU each) fit 2 CPUs
+    check_pools(cfg.resource_pool, {"CPU": 2.0, "GPU": 16.0})  # 8 + 8 GPUs fit 16
 
 
 def test_the_actors_environment_names_the_secrets_variables_tether_vars_and_extra_names(monkeypatch):
@@ -71,7 +71,7 @@ def test_nccl_weight_transfer_is_refused_at_load_and_the_seeds_pools_load(tmp_pa
     cfg = load_config([pools], ["backend=ray"])
     assert cfg.resource_pool.trainer_pool.num_gpus == 8 and cfg.resource_pool.rollout_pool.num_gpus == 8
     with pytest.raises(PoolTooLarge, match="`resource_pool.trainer_pool.num_gpus` = 8"):  # on this CPU machine
-        check_pools(cfg, {"CPU": 2.0})
+        check_pools(cfg.resource_pool, {"CPU": 2.0})
 
 
 def test_ray_keys_with_the_local_backend_warn_that_they_cannot_act():
@@ -83,8 +83,8 @@ def test_ray_keys_with_the_local_backend_warn_that_they_cannot_act():
                       "(one process, nothing is placed or transferred); set backend: ray to use them"]
     assert not [w for w in load_config([], [*keys, "backend=ray"]).warnings() if "backend: ray only" in w]
     # ray.address: connect to that cluster; unset: start one of ray.num_cpus CPUs
-    assert init_kwargs(load_config([], ["ray.address=auto", "ray.num_cpus=2"])) == {"address": "auto"}
-    assert init_kwargs(load_config([], ["ray.num_cpus=2"])) == {"num_cpus": 2, "include_dashboard": False}
+    assert init_kwargs(load_config([], ["ray.address=auto", "ray.num_cpus=2"]).ray) == {"address": "auto"}
+    assert init_kwargs(load_config([], ["ray.num_cpus=2"]).ray) == {"num_cpus": 2, "include_dashboard": False}
 
 
 # ------------------------------------------------------------------------ one cluster per module (conftest.cluster)
@@ -117,7 +117,7 @@ def test_an_actor_sees_a_key_exported_after_the_cluster_started(cluster, tiny_mo
     plain = cluster.remote(num_cpus=0)(env_present)
     assert cluster.get(plain.remote(["MY_ENDPOINT_KEY"])) == {"MY_ENDPOINT_KEY": False}  # the failure it prevents
     cfg = _cfg(tmp_path, tiny_model, "backend=ray", "llm_client.api_key=${MY_ENDPOINT_KEY}")
-    pools = reserve_pools(cfg)
+    pools = reserve_pools(cfg.resource_pool)
     try:
         env = actor_env_vars(cfg)
         actor = start_rollout_worker(cfg, tiny_model, pools, env)

@@ -107,7 +107,7 @@ def test_with_no_restarts_left_a_dead_rollout_actor_ends_the_run_naming_the_key(
     from tether.distributed.remote import RolloutActorLost, RolloutHandle
 
     cfg = _cfg(tmp_path, tiny_model, "ray.max_actor_restarts=0")
-    pools = reserve_pools(cfg)
+    pools = reserve_pools(cfg.resource_pool)
     try:
         actor = start_rollout_worker(cfg, tiny_model, pools, {})
         handle = RolloutHandle(actor, 1 << 20, cfg.ray.max_actor_restarts)

@@ -4,10 +4,8 @@
   engine (``engine.type``), the environments, and two ``Rollouter``s (sampling, and greedy for held-out
   evaluation). It answers ``group`` / ``groups`` calls; the GroupProducer, admission control and the ledger
   stay with the trainer, so a group's identity and its exactly-once accounting never leave one process.
-- ``QueueWorker``: the ``MessageQueue``, unchanged, behind a threaded actor (a blocking ``get_batch`` must not
-  hold up ``put``).
 - ``TrainerWorker``: runs ``tether.pipeline.trainer.train`` — the same loop as the local backend — with the
-  remote parts (``remote.py``).
+  remote parts (``remote.py``; the MessageQueue's actor, ``QueueWorker``, is started from there).
 
 Metrics a RolloutWorker records (``rollout/episode_errors`` and the like) are kept as events and returned with
 each call's result, to be recorded again in the trainer, so a step's row is the same in both backends.
@@ -22,9 +20,13 @@ from collections import Counter
 from typing import Any
 
 from tether.config import RunConfig
+from tether.distributed.envvars import apply_env
+from tether.distributed.remote import RayParts
+from tether.distributed.weight_transfer import unpack_buckets
 from tether.metrics import MetricsRecorder, set_recorder
-from tether.pipeline.queue import MessageQueue
 from tether.pipeline.rollouter import Rollouter, RolloutError
+from tether.pipeline.trainer import train
+from tether.runtime import Runtime
 from tether.types import Task
 
 Event = tuple[str, float, str]  # (metric, value, reduction)
@@ -55,9 +57,6 @@ class EventLog(MetricsRecorder):
 
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, model_dir: str, env: dict[str, str]):
-        from tether.distributed.envvars import apply_env
-        from tether.runtime import Runtime
-
         apply_env(env)  # before anything reads a key or a TETHER_* variable
         self.events = EventLog()
         set_recorder(self.events)
@@ -96,8 +95,6 @@ class RolloutWorker:
 
     async def update_weights(self, token: int, version: int, refs: list[Any]) -> int:
         """Load push ``token`` (its buckets' object refs) unless a push as new is held; returns the token held."""
-        from tether.distributed.weight_transfer import unpack_buckets
-
         async with self._update_lock:
             if token > self.token:
                 buckets = await asyncio.gather(*refs)
@@ -118,29 +115,14 @@ class RolloutWorker:
         self.rt.close()
 
 
-class QueueWorker:
-    """The MessageQueue as an actor; every method is the MessageQueue's own."""
-
-    def __init__(self, max_size: int, window_size: int | None):
-        self.queue = MessageQueue(max_size, window_size)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.queue, method)(*args, **kwargs)
-
-
 class TrainerWorker:
     def __init__(self, cfg: RunConfig, model_dir: str, rollout: Any, queue_options: dict[str, Any],
                  env: dict[str, str]):
-        from tether.distributed.envvars import apply_env
-
         apply_env(env)
         self.cfg, self.model_dir, self.rollout, self.queue_options = cfg, model_dir, rollout, queue_options
 
     def train(self, run_dir: str, resume: bool, show_progress: bool, allow_config_change: tuple[str, ...]) -> Any:
-        from tether.distributed.remote import RayParts
-        from tether.pipeline.trainer import train
-
-        parts = RayParts(self.cfg, self.rollout, self.queue_options)
+        parts = RayParts(self.cfg.ray, self.rollout, self.queue_options)
         return train(self.cfg, run_dir, resume=resume, model_dir=self.model_dir, show_progress=show_progress,
                      allow_config_change=allow_config_change, parts=parts)
 

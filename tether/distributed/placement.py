@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tether.config import ConfigError, RunConfig
-from tether.config.cluster import PoolConfig
+from tether.config import ConfigError
+from tether.config.cluster import PoolConfig, ResourcePoolConfig
 
 POOLS = ("trainer_pool", "rollout_pool")
 
@@ -29,12 +29,12 @@ def bundle(pool: PoolConfig) -> dict[str, float]:
     return out
 
 
-def check_pools(cfg: RunConfig, cluster: dict[str, float]) -> None:
+def check_pools(resource_pool: ResourcePoolConfig, cluster: dict[str, float]) -> None:
     """Raise ``PoolTooLarge`` naming the key when a pool, or both pools together, exceed ``cluster``
     (``ray.cluster_resources()``)."""
     have = {r: float(cluster.get(r, 0.0)) for r in ("CPU", "GPU")}
     shown = f"the cluster has {have['CPU']:g} CPUs and {have['GPU']:g} GPUs"
-    pools = {name: getattr(cfg.resource_pool, name) for name in POOLS}
+    pools = {name: getattr(resource_pool, name) for name in POOLS}
     for name, pool in pools.items():
         for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
             want = bundle(pool).get(resource, 0.0)
@@ -75,20 +75,20 @@ class Pools:
                 pass
 
 
-def reserve_pools(cfg: RunConfig, timeout_s: float = 120.0) -> Pools:
+def reserve_pools(resource_pool: ResourcePoolConfig, timeout_s: float = 120.0) -> Pools:
     """Check the pools against the cluster, then reserve both; a reservation not granted within ``timeout_s``
     (resources held by other jobs on a shared cluster) fails naming the pools."""
     import ray
     from ray.util.placement_group import placement_group
 
-    check_pools(cfg, ray.cluster_resources())
-    rp = cfg.resource_pool
-    pools = Pools(placement_group([bundle(rp.trainer_pool)], strategy="STRICT_PACK", name="tether-trainer_pool"),
-                  placement_group([bundle(rp.rollout_pool)], strategy="STRICT_PACK", name="tether-rollout_pool"))
+    check_pools(resource_pool, ray.cluster_resources())
+    trainer, rollout = bundle(resource_pool.trainer_pool), bundle(resource_pool.rollout_pool)
+    pools = Pools(placement_group([trainer], strategy="STRICT_PACK", name="tether-trainer_pool"),
+                  placement_group([rollout], strategy="STRICT_PACK", name="tether-rollout_pool"))
     ready, _ = ray.wait([pools.trainer.ready(), pools.rollout.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
         pools.remove()
-        raise PoolTooLarge(f"resource_pool.trainer_pool {bundle(rp.trainer_pool)} and rollout_pool "
-                           f"{bundle(rp.rollout_pool)} could not both be placed within {timeout_s:.0f} s (available "
-                           f"now: {ray.available_resources()}); free resources or make the pools smaller")
+        raise PoolTooLarge(f"resource_pool.trainer_pool {trainer} and rollout_pool {rollout} could not both be "
+                           f"placed within {timeout_s:.0f} s (available now: {ray.available_resources()}); free "
+                           "resources or make the pools smaller")
     return pools

@@ -22,8 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import RunConfig
+from tether.config.cluster import RayConfig
+from tether.distributed.actors import RolloutWorker, TrainerWorker
 from tether.distributed.envvars import actor_env_vars, runtime_env
 from tether.distributed.placement import Pools, reserve_pools
+from tether.learner.checkpoint import latest_checkpoint
+from tether.runtime import model_path
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +36,21 @@ class TrainerActorFailed(RuntimeError):
     """The trainer actor died; the message names the last complete checkpoint."""
 
 
-def init_kwargs(cfg: RunConfig) -> dict[str, Any]:
+def init_kwargs(ray_cfg: RayConfig) -> dict[str, Any]:
     """``ray.init`` arguments: connect to ``ray.address``, or start a local cluster of ``ray.num_cpus`` CPUs."""
-    if cfg.ray.address:
-        return {"address": cfg.ray.address}
-    return {"num_cpus": cfg.ray.num_cpus, "include_dashboard": False}
+    if ray_cfg.address:
+        return {"address": ray_cfg.address}
+    return {"num_cpus": ray_cfg.num_cpus, "include_dashboard": False}
 
 
-def connect(cfg: RunConfig) -> bool:
+def connect(ray_cfg: RayConfig) -> bool:
     """Connect this process to its cluster (a connection already made is used as it is); returns whether this
     call made the connection, and so must end it."""
     import ray
 
     if ray.is_initialized():
         return False
-    ray.init(**init_kwargs(cfg), log_to_driver=True)
+    ray.init(**init_kwargs(ray_cfg), log_to_driver=True)
     return True
 
 
@@ -60,9 +64,7 @@ def _options(pool: Any, pools: Pools, name: str, env: dict[str, str], **extra: A
 
 def start_rollout_worker(cfg: RunConfig, model_dir: str, pools: Pools, env: dict[str, str]) -> Any:
     """The RolloutWorker actor in the rollout pool (Ray restarts it up to ``ray.max_actor_restarts`` times)."""
-    import ray
-
-    from tether.distributed.actors import RolloutWorker
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
 
     return ray.remote(RolloutWorker).options(
         **_options(cfg.resource_pool.rollout_pool, pools, "rollout", env, max_restarts=cfg.ray.max_actor_restarts,
@@ -85,19 +87,15 @@ def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, m
                  on_start: Any = None) -> Any:
     """``tether.pipeline.trainer.train`` on Ray; returns its ``RunResult``. ``on_start(actors)`` (tests) is
     called with ``{"rollout": handle, "trainer": handle}`` once both actors are up."""
-    import ray
-    from ray.exceptions import RayActorError
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
+    from ray.exceptions import RayActorError  # noqa: PLC0415 — as above
 
-    from tether.distributed.actors import TrainerWorker
-    from tether.learner.checkpoint import latest_checkpoint
-    from tether.runtime import model_path
-
-    started = connect(cfg)
+    started = connect(cfg.ray)
     actors: list[Any] = []
     pools: Pools | None = None
     try:
         path = model_dir or model_path(cfg)  # a preset is built here, once, before the actors load it
-        pools = reserve_pools(cfg)
+        pools = reserve_pools(cfg.resource_pool)
         env = actor_env_vars(cfg)
         log.info("ray backend: actors get environment variables %s", sorted(env))  # names only
         rollout = start_rollout_worker(cfg, path, pools, env)

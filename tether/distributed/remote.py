@@ -24,9 +24,10 @@ import threading
 import time
 from typing import Any, cast
 
-from tether.config import RunConfig
+from tether.config.cluster import RayConfig
 from tether.distributed.weight_transfer import MiB, WeightPush, put_weights
 from tether.metrics import Reduce, record_metric
+from tether.pipeline.queue import MessageQueue
 from tether.pipeline.rollouter import RolloutError
 from tether.types import Group, Task
 
@@ -164,6 +165,17 @@ class RemoteRollouter:
             return payload
 
 
+class QueueWorker:
+    """The MessageQueue as an actor (threaded: a blocking ``get_batch`` must not hold up ``put``); every method
+    is the MessageQueue's own."""
+
+    def __init__(self, max_size: int, window_size: int | None):
+        self.queue = MessageQueue(max_size, window_size)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.queue, method)(*args, **kwargs)
+
+
 class RemoteQueue:
     """``MessageQueue`` in a QueueWorker actor: the methods the pipeline calls, forwarded."""
 
@@ -203,10 +215,9 @@ class RemoteQueue:
 class RayParts:
     """What ``Run.build`` takes from other actors under ``backend: ray`` (``pipeline.build.RemoteParts``)."""
 
-    def __init__(self, cfg: RunConfig, rollout_actor: Any, queue_options: dict[str, Any] | None = None):
-        self.cfg = cfg
-        self.handle = RolloutHandle(rollout_actor, max(1, int(cfg.ray.weight_bucket_mb * MiB)),
-                                    cfg.ray.max_actor_restarts)
+    def __init__(self, ray_cfg: RayConfig, rollout_actor: Any, queue_options: dict[str, Any] | None = None):
+        self.handle = RolloutHandle(rollout_actor, max(1, int(ray_cfg.weight_bucket_mb * MiB)),
+                                    ray_cfg.max_actor_restarts)
         self.queue_options = queue_options or {}
         self.queue_actor: Any = None
 
@@ -219,9 +230,7 @@ class RayParts:
     def make_queue(self, max_size: int, window_size: int | None) -> RemoteQueue:
         """The MessageQueue of the async modes, started as a QueueWorker actor (owned by this, the trainer's,
         process: it ends with the run)."""
-        import ray
-
-        from tether.distributed.actors import QueueWorker
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         started = time.perf_counter()
         self.queue_actor = ray.remote(QueueWorker).options(num_cpus=0, max_concurrency=16,
