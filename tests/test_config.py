@@ -19,6 +19,7 @@ from tether.config import (
     load_config,
 )
 from tether.config.aliases import SECTIONS as ALIAS_SECTIONS
+from tether.config.plan import Plan
 from tether.config.sections import PIPELINES
 from tether.config.support import REFUSED_SECTIONS
 from tether.secrets import redact_by_name
@@ -88,7 +89,7 @@ def test_all_seeds_merged_spot_checks(where, tmp_path):
     assert cfg.environment.action_space[1].params == ["order_id", "reason_code"]
     assert cfg.environment.verifier.model_based[0].rubric == "response_quality"
     assert cfg.message_queue.max_queue_size == 512 and not hasattr(cfg, "rollouter")  # held once
-    assert cfg.derived() == {"samples_per_step": 64, "prompts_per_step": 8, "group_size": 8,
+    assert Plan.of(cfg).totals() == {"samples_per_step": 64, "prompts_per_step": 8, "group_size": 8,
                              "optimizer_updates_per_step": 8, "micro_batch_size": 4, "eval_tasks": 64}
 
 

@@ -87,15 +87,12 @@ def read_wandb_records(path: Path) -> list:
 
 
 def test_make_sinks_follows_the_metrics_section(tmp_path):
-    cfg = RunConfig()
-    cfg.metrics.tensorboard = False
-    sinks = make_sinks(cfg, tmp_path / "a")
+    sinks = make_sinks(tmp_path / "a", tensorboard=False)
     assert [type(s) for s in sinks] == [JsonlSink]
     sinks[0].write(3, {"reward/mean": 1.0})
     [s.close() for s in sinks]
     assert json.loads((tmp_path / "a" / "metrics.jsonl").read_text()) == {"step": 3, "reward/mean": 1.0}
-    cfg.metrics.tensorboard = True
-    sinks = make_sinks(cfg, tmp_path / "b")
+    sinks = make_sinks(tmp_path / "b", tensorboard=True)
     assert [type(s) for s in sinks] == [JsonlSink, TensorBoardSink]
     [s.close() for s in sinks]
     assert list((tmp_path / "b" / "tensorboard").glob("events.out.tfevents.*"))
@@ -103,10 +100,8 @@ def test_make_sinks_follows_the_metrics_section(tmp_path):
 
 def test_wandb_on_without_the_package_fails_naming_key_and_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb → ImportError
-    cfg = RunConfig()
-    cfg.metrics.wandb = True
     with pytest.raises(ConfigError, match=r"`metrics\.wandb`.*tether\[wandb\]"):
-        make_sinks(cfg, tmp_path)
+        make_sinks(tmp_path, wandb=True)
 
 
 def test_wandb_offline_run_holds_the_metrics_and_no_secret(tmp_path, monkeypatch):
@@ -118,10 +113,9 @@ def test_wandb_offline_run_holds_the_metrics_and_no_secret(tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_API_KEY", "wandbkey-do-not-log-1234567890abcdef12345678")
     monkeypatch.setattr(sys, "argv", ["tether", "train", "--set", "llm_client.api_key=sk-do-not-log-42"])
     cfg = RunConfig()
-    cfg.metrics.tensorboard = False
-    cfg.metrics.wandb = True
+    cfg.metrics.tensorboard, cfg.metrics.wandb = False, True
     run = tmp_path / "run"
-    rec = MetricsRecorder(make_sinks(cfg, run))
+    rec = MetricsRecorder(make_sinks(run, tensorboard=False, wandb=True, config=cfg.redacted_dict()))
     prev = set_recorder(rec)
     try:
         record_metric("reward/mean", 0.25)

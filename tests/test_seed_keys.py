@@ -21,6 +21,7 @@ import yaml
 
 from conftest import REPO, SEEDS, batch_source, group_producer, make_learner, rollout_allocator
 from tether.config import ConfigError, RunConfig, load_config
+from tether.config.plan import Plan
 from tether.learner import load_model_and_tokenizer
 from tether.pipeline.streaming import advantages
 from tether.types import Group, Task, Trajectory
@@ -136,7 +137,7 @@ def test_gradient_accumulation_is_invariant_but_splits_the_work(base_model):
     wb, _ = learner_run(base_model, nested("learner.gradient_accumulation_steps", 2))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
     cfg = RunConfig.model_validate(merge(LEARNER_BASE, nested("learner.gradient_accumulation_steps", 2)))
-    assert cfg.derived()["micro_batch_size"] == 2  # 4 trajectories per update in 2 micro-batches
+    assert Plan.of(cfg).micro_batch_size == 2  # 4 trajectories per update in 2 micro-batches
 
 
 @pytest.mark.parametrize("key,a,b", [("policy_optimization.kl_control.adaptive", True, False),
@@ -217,7 +218,7 @@ def test_batch_size_and_group_size_change_what_a_step_trains(small_run):
     assert [s["group_sizes"] for s in (base[0], half[0], pairs[0])] == [[4, 4], [4], [2, 2, 2, 2]]
     # base_rollouts_per_prompt is the same number as group_size: set alone, it sets the group size
     cfg = RunConfig.model_validate(nested("policy_optimization.rollout_allocation.base_rollouts_per_prompt", 2))
-    assert cfg.policy_optimization.advantage.group_size == 2 and cfg.derived()["prompts_per_step"] == 32
+    assert cfg.policy_optimization.advantage.group_size == 2 and Plan.of(cfg).prompts_per_step == 32
 
 
 def test_max_rollouts_per_prompt_caps_the_adaptive_allocation():
@@ -378,7 +379,7 @@ def test_ppo_mini_batch_size_times_require_batches_is_the_trainer_step():
     def step(ppo: int, batches: int) -> dict:
         cfg = RunConfig.model_validate({"trainer": {"ppo_mini_batch_size": ppo, "require_batches": batches},
                                         "policy_optimization": {"advantage": {"group_size": 4}}})
-        return {"batch": cfg.learner.batch_size, "tasks": cfg.derived()["prompts_per_step"]}
+        return {"batch": cfg.learner.batch_size, "tasks": Plan.of(cfg).prompts_per_step}
 
     assert step(64, 2) == {"batch": 128, "tasks": 32}
     assert step(16, 2) == {"batch": 32, "tasks": 8}

@@ -1,7 +1,7 @@
 """Metrics are one call from anywhere: ``record_metric("reward/mean", value, reduce="mean")``.
 
 Values recorded during a trainer step are reduced when the step is flushed and written to every sink.
-``make_sinks(cfg, run_dir)`` builds them from the ``metrics`` section: ``RUN/metrics.jsonl`` always,
+``make_sinks(run_dir, ...)`` builds them from the ``metrics`` section: ``RUN/metrics.jsonl`` always,
 TensorBoard events under ``RUN/tensorboard`` (``metrics.tensorboard``), and a Weights & Biases run
 (``metrics.wandb``, project ``metrics.wandb_project`` or "tether") whose local files go under ``RUN/wandb``.
 With no active recorder ``record_metric`` is a no-op, so library code can record unconditionally.
@@ -28,12 +28,9 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from tether.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tether.config import RunConfig
 
 Reduce = Literal["mean", "sum", "max", "min", "last"]
 
@@ -105,17 +102,19 @@ class WandbSink:
         self._run.finish()
 
 
-def make_sinks(cfg: RunConfig, run_dir: str | Path, *, resume_step: int | None = None) -> list[Sink]:
-    """The sinks the config's ``metrics`` section asks for, writing under ``run_dir`` (module docstring);
-    ``resume_step``: the checkpoint a resumed run continues from (later TensorBoard events are purged)."""
+def make_sinks(run_dir: str | Path, *, tensorboard: bool = True, wandb: bool = False, wandb_project: str | None = None,
+               config: dict[str, Any] | None = None, resume_step: int | None = None) -> list[Sink]:
+    """The sinks the ``metrics`` section asks for (its keys as arguments), writing under ``run_dir`` (module
+    docstring); ``config``: the run's redacted config, W&B's run config; ``resume_step``: the checkpoint a resumed
+    run continues from (later TensorBoard events are purged)."""
     run_dir = Path(run_dir)
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
     try:
-        if cfg.metrics.tensorboard:
+        if tensorboard:
             purge = resume_step + 1 if resume_step is not None else None
             sinks.append(TensorBoardSink(run_dir / "tensorboard", purge_step=purge))
-        if cfg.metrics.wandb:
-            sinks.append(WandbSink(cfg.metrics.wandb_project or "tether", cfg.redacted_dict(), run_dir=run_dir,
+        if wandb:
+            sinks.append(WandbSink(wandb_project or "tether", config or {}, run_dir=run_dir,
                                    name=run_dir.resolve().name))
     except BaseException:
         for sink in sinks:  # a failed start leaves no open file behind

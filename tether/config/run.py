@@ -140,19 +140,6 @@ class RunConfig(Section):
         elif spec.kl_coef > 0.0 and unset(kl, "init_coef"):
             kl.init_coef = spec.kl_coef
 
-    def derived(self) -> dict[str, int]:
-        """Totals computed from the config (printed at start; never computed in shell)."""
-        b, m = self.learner.batch_size, self.learner.mini_batch_size
-        g = self.policy_optimization.advantage.group_size
-        return {
-            "samples_per_step": b,
-            "prompts_per_step": b // g,
-            "group_size": g,
-            "optimizer_updates_per_step": b // m,
-            "micro_batch_size": m // self.learner.gradient_accumulation_steps,
-            "eval_tasks": self.trainer.eval_tasks or self.environment.num_eval_tasks,
-        }
-
     def warnings(self) -> list[str]:
         """Values that are valid but cannot act within this run (e.g. an interval longer than the run), one
         sentence each, naming the key; printed at ``tether train`` start and by ``tether config``."""

@@ -288,7 +288,10 @@ class Run:
                                               "actors.py, RolloutWorker); use backend: local")
                 rollouter = parts.rollouter()
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
-            recorder = MetricsRecorder(make_sinks(cfg, run_dir, resume_step=resume_step))
+            m = cfg.metrics
+            recorder = MetricsRecorder(make_sinks(run_dir, tensorboard=m.tensorboard, wandb=m.wandb,
+                                                  wandb_project=m.wandb_project, config=cfg.redacted_dict(),
+                                                  resume_step=resume_step))
             monitors = Monitors(cfg.monitors, checks(cfg.monitors, po, parser=cfg.tool_parser.name,
                                                      max_staleness=plan.max_staleness))
             closers.append(recorder.close)
