@@ -62,7 +62,7 @@ class TensorBoardSink:
     TensorBoard, so a resumed run shows every step once."""
 
     def __init__(self, log_dir: str | Path, purge_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 — tensorboard only when metrics.tensorboard
 
         self._w = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
@@ -84,7 +84,7 @@ class WandbSink:
     def __init__(self, project: str | None, config: dict[str, Any] | None = None, *,
                  run_dir: str | Path | None = None, name: str | None = None):
         try:
-            import wandb
+            import wandb  # noqa: PLC0415 — the wandb extra, only when metrics.wandb
         except ImportError:
             raise ConfigError("`metrics.wandb` is true but the `wandb` package is not installed: install the extra "
                               "(pip install 'tether[wandb]') or set metrics.wandb: false") from None

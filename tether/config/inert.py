@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel
+
 from tether.config.actor import actor_inert
 from tether.config.cluster import cluster_inert
 from tether.config.plan import max_env_steps
@@ -125,8 +127,6 @@ def horizon_for(batch_size: int, steps: int, move: float = KL_MIN_MOVE) -> int:
 
 def _explicit(cfg: RunConfig) -> set[str]:
     """Dotted keys set in a file or by --set (pydantic's ``model_fields_set``, walked through the sections)."""
-    from pydantic import BaseModel
-
     out: set[str] = set()
 
     def walk(model: BaseModel, prefix: str) -> None:

@@ -89,6 +89,6 @@ def _comm_device() -> torch.device:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a sharded (DTensor) one gathered from every rank (a collective), a plain one as is."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 — torch.distributed's tensor module, only when sharded
 
     return t.full_tensor() if isinstance(t, DTensor) else t

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import yaml
 
 from tether.config import RunConfig
 from tether.config.plan import Plan
@@ -140,8 +141,6 @@ def check_run_dir(config: dict, run_dir: Path, resume: bool, allow_config_change
     if ckpt is None and not recorded.is_file():
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
     if recorded.is_file():
-        import yaml
-
         changes = config_changes(yaml.safe_load(recorded.read_text()) or {}, config, allow_config_change)
         if changes:
             raise RunDirError(f"--resume with a config that changes the run ({'; '.join(changes)}); resume with the "

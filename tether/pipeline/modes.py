@@ -175,7 +175,7 @@ class AsyncSource:
     def _run(self) -> None:
         try:
             asyncio.run(self._produce())
-        except BaseException as e:  # surfaced to the trainer on its next call, never swallowed
+        except BaseException as e:  # noqa: BLE001 — surfaced to the trainer on its next call, never swallowed
             self._error = e
             self.queue.close()
 

@@ -147,7 +147,7 @@ class StepUpdate:
                 if self._todo.empty():
                     self._share(self.all_threads)  # the learner waits: the engine has every thread
                 self.overlap_s += time.perf_counter() - t0
-        except BaseException as e:  # surfaced by finish, never swallowed
+        except BaseException as e:  # noqa: BLE001 — surfaced by finish, never swallowed
             self._error = e
         finally:
             torch.set_num_threads(self.all_threads)  # the default that threads started later take

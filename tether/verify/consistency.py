@@ -43,8 +43,10 @@ from typing import Any
 from tether.agent.loop import AgentLoopBase
 from tether.agent.parsers import get_parser
 from tether.config import RunConfig
+from tether.llm import LLMClient
 from tether.pipeline.rollouter import episode_seed
 from tether.runtime import Runtime, sampling_params
+from tether.serve.server import ServerThread, build
 from tether.verify.consistency_paths import DeployClient, Episode, Settings, Turn, training_episode
 
 THRESHOLD = 0.9
@@ -116,8 +118,6 @@ def check_consistency(checkpoint: str | Path, cfg: RunConfig, *, num_tasks: int 
     chat_template: the serving template (``tether serve --chat-template``), default the checkpoint's own.
     deploy_sampling: overrides of the deployment requests' ``temperature`` / ``top_p`` / ``max_tokens`` (default:
         the training path's greedy settings, ``engine.max_tokens``)."""
-    from tether.llm import LLMClient
-    from tether.serve.server import ServerThread, build
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if split not in SPLITS:
