@@ -12,11 +12,11 @@ bound of ``one_step_off_policy`` (the monitor once checked the configured 4 whil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
-from tether.config.base import Secret
+from tether.secrets import Secret
 
 if TYPE_CHECKING:  # the plan is derived from a RunConfig; run.py's checks use the plan's pieces (max_env_steps)
     from tether.config.run import RunConfig
@@ -50,8 +50,9 @@ class Plan:
     window_size: int | None  # windowed_fifo's window (None: plain fifo)
     # -- evaluation
     eval_tasks: int
-    # -- secrets: the key paths whose values are ``Secret`` (never logged, dumped or checkpointed)
-    secret_paths: tuple[str, ...] = ()
+    # -- secrets: the environment variables the config's ``Secret`` values read (``${VAR}``), which a process
+    # started elsewhere (a Ray actor) must be handed by name; never their values
+    secret_variables: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Plan:
@@ -76,7 +77,7 @@ class Plan:
             queue_size=cfg.message_queue.max_queue_size,
             window_size=ro.scheduler.window_size if ro.scheduler.type == "windowed_fifo" else None,
             eval_tasks=tr.eval_tasks or cfg.environment.num_eval_tasks,
-            secret_paths=tuple(secret_paths(cfg)),
+            secret_variables=tuple(secret_variables(cfg)),
         )
 
     def totals(self) -> dict[str, int]:
@@ -94,18 +95,19 @@ def max_env_steps(max_assistant_turns: int, max_parallel_calls: int) -> int:
     return max_assistant_turns * max_parallel_calls
 
 
-def secret_paths(cfg: RunConfig) -> list[str]:
-    """The dotted key paths of the config's ``Secret`` values (set or not), e.g. ``llm_client.api_key``."""
+def secret_variables(value: Any) -> list[str]:
+    """The environment variables referenced by the ``Secret`` values anywhere in ``value`` (a config, a section, a
+    list or mapping of them), in field order, each once; a literal secret names none."""
     out: list[str] = []
-
-    def walk(model: BaseModel, prefix: str) -> None:
-        for name, info in type(model).model_fields.items():
-            value = getattr(model, name)
-            path = f"{prefix}{info.alias or name}"
-            if isinstance(value, Secret) or "Secret" in str(info.annotation):
-                out.append(path)
-            elif isinstance(value, BaseModel):
-                walk(value, path + ".")
-
-    walk(cfg, "")
-    return out
+    if isinstance(value, Secret):
+        out += value.variables()
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            out += secret_variables(getattr(value, name))
+    elif isinstance(value, list | tuple):
+        for item in value:
+            out += secret_variables(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            out += secret_variables(item)
+    return list(dict.fromkeys(out))
