@@ -49,9 +49,9 @@ app.add_typer(verify_app, name="verify")
 @app.callback()
 def main() -> None:
     """tether: train, evaluate and verify tool-using agents."""  # keeps `tether CMD` form with one command
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415 — transformers: seconds, not for --help
-
-    hf_logging.disable_progress_bar()  # weight-loading bars would drown the training progress
+    # Weight-loading bars would drown the training progress. transformers reads this when a command imports it (an
+    # import here would cost every command, `tether config` too, a second).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @app.command()
