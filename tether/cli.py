@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -49,9 +50,14 @@ app.add_typer(verify_app, name="verify")
 @app.callback()
 def main() -> None:
     """tether: train, evaluate and verify tool-using agents."""  # keeps `tether CMD` form with one command
-    # Weight-loading bars would drown the training progress. transformers reads this when a command imports it (an
-    # import here would cost every command, `tether config` too, a second).
+    # Weight-loading bars would drown the training progress: off through the environment, read when a command
+    # imports transformers (importing it here would cost every command a second), or directly where it is imported
+    # already (the app run in-process, as by the tests).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from transformers.utils import logging as hf_logging  # noqa: PLC0415 — third-party, imported already
+
+        hf_logging.disable_progress_bar()
 
 
 @app.command()
