@@ -12,6 +12,7 @@ import torch
 
 from conftest import REPO, SEEDS, SMALL_RUN, read_rows
 from tether.config import ConfigError, load_config
+from tether.config.plan import Plan
 from tether.distributed.envvars import actor_env_names, actor_env_vars, runtime_env
 from tether.distributed.placement import PoolTooLarge, check_pools
 from tether.distributed.weight_transfer import pack_buckets, unpack_buckets
@@ -50,14 +51,14 @@ def test_the_actors_environment_names_the_secrets_variables_tether_vars_and_extr
     monkeypatch.setenv("TETHER_SOMETHING", "1")
     monkeypatch.setenv("EXTRA_VAR", "x")
     cfg = load_config([], ["llm_client.api_key=${MY_ENDPOINT_KEY}", "ray.env_vars=[EXTRA_VAR, UNSET_VAR]"])
-    names = actor_env_names(cfg)
+    names = actor_env_names(Plan.of(cfg).secret_variables, cfg.ray.env_vars)
     assert names[0] == "MY_ENDPOINT_KEY" and {"TETHER_SOMETHING", "EXTRA_VAR", "UNSET_VAR"} <= set(names)
-    env = actor_env_vars(cfg)
+    env = actor_env_vars(Plan.of(cfg).secret_variables, cfg.ray.env_vars)
     assert env["MY_ENDPOINT_KEY"] == SECRET and "UNSET_VAR" not in env  # not set here: not passed
-    assert "EXTRA_VAR" not in actor_env_vars(load_config([], ["llm_client.api_key=${MY_ENDPOINT_KEY}"]))
+    assert "EXTRA_VAR" not in actor_env_vars(["MY_ENDPOINT_KEY"])
     assert SECRET not in load_config([], ["llm_client.api_key=${MY_ENDPOINT_KEY}", "backend=ray"]).to_yaml()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # only the thread counts go through Ray's (logged) runtime_env
-    assert runtime_env(actor_env_vars(cfg)) == {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    assert runtime_env(actor_env_vars(Plan.of(cfg).secret_variables)) == {"env_vars": {"OMP_NUM_THREADS": "1"}}
 
 
 def test_nccl_weight_transfer_is_refused_at_load_and_the_seeds_pools_load(tmp_path):
@@ -119,7 +120,7 @@ def test_an_actor_sees_a_key_exported_after_the_cluster_started(cluster, tiny_mo
     cfg = _cfg(tmp_path, tiny_model, "backend=ray", "llm_client.api_key=${MY_ENDPOINT_KEY}")
     pools = reserve_pools(cfg.resource_pool)
     try:
-        env = actor_env_vars(cfg)
+        env = actor_env_vars(Plan.of(cfg).secret_variables, cfg.ray.env_vars)
         actor = start_rollout_worker(cfg, tiny_model, pools, env)
         check_env(actor, env)  # raises when a passed variable is missing in the actor
         assert cluster.get(actor.env_present.remote(["MY_ENDPOINT_KEY"])) == {"MY_ENDPOINT_KEY": True}

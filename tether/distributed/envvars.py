@@ -15,38 +15,22 @@ its log files (``runtime_env_agent.log``): an API key must not travel that way.
 from __future__ import annotations
 
 import os
-import re
-
-from pydantic import BaseModel
-
-from tether.config import RunConfig, Secret
+from collections.abc import Sequence
 
 PASSED_THROUGH = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                   "TOKENIZERS_PARALLELISM")
-_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def secret_variables(model: BaseModel) -> list[str]:
-    """The environment variables referenced by the secrets anywhere in ``model`` (``${VAR}``), in field order."""
-    out: list[str] = []
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, Secret):
-            out += _REF.findall(value.redacted())  # a literal secret shows as *** and names no variable
-        elif isinstance(value, BaseModel):
-            out += secret_variables(value)
-    return list(dict.fromkeys(out))
-
-
-def actor_env_names(cfg: RunConfig) -> list[str]:
-    """Every variable name an actor is given, set or not in this process."""
+def actor_env_names(secret_variables: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """Every variable name an actor is given, set or not in this process: the config's secrets' variables
+    (``Plan.secret_variables``), every ``TETHER_*``, ``PASSED_THROUGH`` and ``extra`` (``ray.env_vars``)."""
     tether = sorted(k for k in os.environ if k.startswith("TETHER_"))
-    return list(dict.fromkeys([*secret_variables(cfg), *tether, *PASSED_THROUGH, *cfg.ray.env_vars]))
+    return list(dict.fromkeys([*secret_variables, *tether, *PASSED_THROUGH, *extra]))
 
 
-def actor_env_vars(cfg: RunConfig) -> dict[str, str]:
+def actor_env_vars(secret_variables: Sequence[str], extra: Sequence[str] = ()) -> dict[str, str]:
     """``{name: value}`` of the names of ``actor_env_names`` that are set in this process."""
-    return {k: os.environ[k] for k in actor_env_names(cfg) if k in os.environ}
+    return {k: os.environ[k] for k in actor_env_names(secret_variables, extra) if k in os.environ}
 
 
 def runtime_env(env: dict[str, str]) -> dict[str, dict[str, str]]:

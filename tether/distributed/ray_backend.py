@@ -23,6 +23,7 @@ from typing import Any
 
 from tether.config import RunConfig
 from tether.config.cluster import RayConfig
+from tether.config.plan import Plan
 from tether.distributed.actors import RolloutWorker, TrainerWorker
 from tether.distributed.envvars import actor_env_vars, runtime_env
 from tether.distributed.placement import Pools, reserve_pools
@@ -96,7 +97,7 @@ def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, m
     try:
         path = model_dir or model_path(cfg)  # a preset is built here, once, before the actors load it
         pools = reserve_pools(cfg.resource_pool)
-        env = actor_env_vars(cfg)
+        env = actor_env_vars(Plan.of(cfg).secret_variables, cfg.ray.env_vars)
         log.info("ray backend: actors get environment variables %s", sorted(env))  # names only
         rollout = start_rollout_worker(cfg, path, pools, env)
         actors.append(rollout)
