@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -83,7 +84,6 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
              f"not a JSON row with a step ({line[:60]!r})" for n, line in bad]
     config: dict[str, Any] = {}
     if (run_dir / "config.yaml").is_file():
-        import yaml
 
         try:
             config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}

@@ -60,13 +60,13 @@ class Pools:
 
     def strategy(self, name: str) -> Any:
         """The scheduling strategy that puts an actor into bundle 0 of pool ``name`` ("trainer" or "rollout")."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 — the optional extra ``ray``
 
         return PlacementGroupSchedulingStrategy(placement_group=getattr(self, name),
                                                 placement_group_bundle_index=0)
 
     def remove(self) -> None:
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415 — the optional extra ``ray``
 
         for pg in (self.trainer, self.rollout):
             try:
@@ -78,8 +78,8 @@ class Pools:
 def reserve_pools(resource_pool: ResourcePoolConfig, timeout_s: float = 120.0) -> Pools:
     """Check the pools against the cluster, then reserve both; a reservation not granted within ``timeout_s``
     (resources held by other jobs on a shared cluster) fails naming the pools."""
-    import ray
-    from ray.util.placement_group import placement_group
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
+    from ray.util.placement_group import placement_group  # noqa: PLC0415 — the optional extra ``ray``
 
     check_pools(resource_pool, ray.cluster_resources())
     trainer, rollout = bundle(resource_pool.trainer_pool), bundle(resource_pool.rollout_pool)

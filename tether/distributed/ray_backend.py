@@ -47,7 +47,7 @@ def init_kwargs(ray_cfg: RayConfig) -> dict[str, Any]:
 def connect(ray_cfg: RayConfig) -> bool:
     """Connect this process to its cluster (a connection already made is used as it is); returns whether this
     call made the connection, and so must end it."""
-    import ray
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
 
     if ray.is_initialized():
         return False
@@ -74,7 +74,7 @@ def start_rollout_worker(cfg: RunConfig, model_dir: str, pools: Pools, env: dict
 
 def check_env(actor: Any, env: dict[str, str]) -> None:
     """Raise unless ``actor`` sees every variable of ``env`` (names compared, values never leave the actor)."""
-    import ray
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
 
     seen = ray.get(actor.env_present.remote(sorted(env)))
     missing = [k for k, ok in seen.items() if not ok]

@@ -37,7 +37,7 @@ class RolloutActorLost(RuntimeError):
 
 
 def _actor_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorUnavailableError, RayActorError
+    from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415 — the optional extra ``ray``
 
     return RayActorError, ActorUnavailableError
 
@@ -59,7 +59,7 @@ class RolloutHandle:
         return push.token if push is not None else 0
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        import ray
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         with self._lock:
             self._tokens += 1
@@ -84,8 +84,8 @@ class RolloutHandle:
     def wait_alive(self, timeout_s: float = 600.0) -> None:
         """Block until the actor answers again (restarted), counting the restart. ``RolloutActorLost`` once Ray
         will not restart it: it died with its restarts spent (the ones seen here), or did not come back in time."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError  # noqa: PLC0415 — the optional extra ``ray``
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -114,7 +114,7 @@ class RolloutHandle:
 
     @property
     def stats(self) -> dict[str, Any]:
-        import ray
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         while True:
             try:
@@ -183,7 +183,7 @@ class RemoteQueue:
         self.actor = actor
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         return ray.get(self.actor.call.remote(method, *args, **kwargs))
 

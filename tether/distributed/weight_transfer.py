@@ -56,7 +56,7 @@ class WeightPush:
 
 
 def put_weights(state_dict: dict[str, torch.Tensor], token: int, version: int, bucket_bytes: int) -> WeightPush:
-    import ray
+    import ray  # noqa: PLC0415 — the optional extra ``ray``
 
     buckets = pack_buckets(state_dict, bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())

@@ -308,7 +308,7 @@ class LocalEngine:
             self._version = update.version
             self._stale = True
             self._segment_steps = 0
-        except Exception as exc:  # reported to the caller of update_weights
+        except Exception as exc:  # noqa: BLE001 — reported to the caller of update_weights
             update.error = exc
         finally:
             update.done.set()

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors.torch import save, save_file
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 from tether.llm import BadRequest, LLMError, MalformedResponse
@@ -195,7 +196,6 @@ class RemoteEngine:
 
     def _write_folder(self, state_dict: dict[str, Any], version: int) -> tuple[Path, int]:
         """``weight_sync_dir/v{version}``: model.safetensors (+ config.json), written whole before it appears."""
-        from safetensors.torch import save_file
 
         assert self.weight_sync_dir is not None
         self.weight_sync_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +228,6 @@ def unique_tensors(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def state_bytes(state_dict: dict[str, Any]) -> bytes:
     """The body of ``/update_weights_from_tensor``: ``safetensors.torch.save`` of ``unique_tensors``."""
-    from safetensors.torch import save
 
     return save(unique_tensors(state_dict))
 

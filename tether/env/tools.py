@@ -348,7 +348,7 @@ async def run_tool(tool: Tool, params: Any, rng: random.Random | None = None) ->
         return done(error_text(f"tool {tool.name} timed out after {tool.timeout_ms:g} ms"), True, latency=latency)
     except ToolError as e:
         return done(error_text(str(e)), True, latency=latency)
-    except Exception as e:  # a broken tool is an observation for the model, counted as a tool error
+    except Exception as e:  # noqa: BLE001 — a broken tool is an observation for the model, counted as a tool error
         return done(error_text(f"tool {tool.name} failed: {type(e).__name__}: {e}"), True, latency=latency)
     return done(to_text(value), False, value, latency)
 

@@ -213,7 +213,7 @@ class LLMClient:
                                             timeout_s or self.timeout_s, retry)
             except LLMError:
                 raise
-            except Exception as e:  # anything else (a protocol bug, a bad header) still never shows the key
+            except Exception as e:  # noqa: BLE001 — anything else (a protocol bug, a bad header) still never shows the key
                 leaks = any(k in repr(e) for k in secrets)  # then the cause is left out of the traceback too
                 raise LLMError(redact(f"{method} {display_url(url)} failed: {type(e).__name__}: {e}", secrets),
                                url=display_url(url)) from (None if leaks else e)

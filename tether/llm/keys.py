@@ -63,7 +63,7 @@ class KeySource:
         assert self._secret is not None  # given
         try:
             key = self._secret.get()
-        except Exception as e:  # a resolution error names the variable, never a value
+        except Exception as e:  # noqa: BLE001 — a resolution error names the variable, never a value
             raise MissingKey(f"{self.key_path}: {e}") from None
         if key != key.strip() or any(c.isspace() for c in key):
             where = f"environment variable {self.variables[0]}" if self.variables else self.key_path

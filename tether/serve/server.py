@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import uvicorn
 from fastapi import FastAPI
 
 from tether.config import RunConfig
@@ -42,7 +44,6 @@ def bind(host: str, port: int) -> socket.socket:
 def read_chat_template(path: str | Path) -> str:
     """The text of a chat template file (``--chat-template``); ValueError naming the file when it cannot be read,
     is empty or is not valid Jinja (checked at start, not at the first request)."""
-    import jinja2
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -78,7 +79,6 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
           chat_template: str | None = None, log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
     fails at once, OSError); ``api_key_env`` only names the key's variable in the start message."""
-    import uvicorn
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     sock = bind(host, port)
@@ -105,7 +105,6 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
 
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load, load_file, save
 
 from tether.serve.generation import APIError, Generator
 
@@ -30,7 +31,6 @@ async def read_folder(path: str) -> dict[str, torch.Tensor]:
 
 
 def _load_files(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -44,7 +44,6 @@ def _load_files(files: list[Path]) -> dict[str, torch.Tensor]:
 def state_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
     """The body of ``/update_weights_from_tensor`` for ``state_dict``: safetensors bytes of CPU copies, a tensor
     that shares its storage with an earlier one (tied embeddings) sent once under the first name."""
-    from safetensors.torch import save
 
     seen: set[tuple[int, int]] = set()
     kept = {}
@@ -59,7 +58,6 @@ def state_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
 
 def read_bytes(body: bytes) -> dict[str, torch.Tensor]:
     """The state dict serialised by ``safetensors.torch.save(state_dict)``."""
-    from safetensors.torch import load
 
     if not body:
         raise APIError(400, "the request body is empty; send the bytes of safetensors.torch.save(state_dict)")

@@ -69,7 +69,7 @@ def function_schema(fn: Fn, params: Sequence[str] | None = None, *, name: str | 
     order = list(sig) if params is None else list(params)
     try:
         hints = typing.get_type_hints(fn)
-    except Exception as e:  # an annotation that does not resolve in the function's module
+    except Exception as e:  # noqa: BLE001 — an annotation that does not resolve in the function's module
         raise ValueError(f"tool {name or fn.__name__}: cannot read its type hints ({type(e).__name__}: {e})") from None
     # A stand-in with only the offered parameters, so that get_json_schema neither sees ``state`` nor hidden ones.
     def stand_in() -> None: ...
@@ -80,7 +80,7 @@ def function_schema(fn: Fn, params: Sequence[str] | None = None, *, name: str | 
     stand_in.__annotations__ = {p: hints[p] for p in order if p in hints}
     try:
         raw = get_json_schema(stand_in)["function"]
-    except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException
+    except Exception as e:  # noqa: BLE001 — transformers' TypeHintParsingException / DocstringParsingException
         raise ValueError(f"tool {stand_in.__name__}: {e}") from None
     props = raw["parameters"].get("properties", {})
     ordered = {}

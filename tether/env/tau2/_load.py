@@ -22,6 +22,7 @@ their hashes and, per task, the adapter's rewards with tau2's unmodified evaluat
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import threading
@@ -45,10 +46,10 @@ def load() -> Any:
     if not available():
         raise ImportError(f"tau2-bench environments need the tau2 package: {INSTALL_HINT}")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    from loguru import logger
+    from loguru import logger  # noqa: PLC0415 — tau2's logger (the optional extra ``tau2``)
 
     logger.disable("tau2")
-    from tau2.registry import registry
+    from tau2.registry import registry  # noqa: PLC0415 — the optional extra ``tau2``
 
     return registry
 
@@ -71,7 +72,6 @@ def tasks_by_id(domain: str) -> dict[str, Any]:
 def splits(domain: str) -> dict[str, list[str]]:
     """tau2's task splits of ``domain`` (``train``, ``test``, ``base``: task ids), from its ``split_tasks.json``."""
     load()
-    import importlib
 
     module = importlib.import_module(f"tau2.domains.{check_domain(domain)}.environment")
     return {k: list(v) for k, v in module.get_tasks_split().items()}
@@ -89,9 +89,8 @@ _DB_CLASSES = {"mock": "MockDB", "retail": "RetailDB", "airline": "FlightDB"}
 def _source(domain: str) -> tuple[Any, Any, Any]:
     """(tau2's ``get_environment`` of ``domain``, its database class, the database file's data parsed once)."""
     load()
-    import importlib
 
-    from tau2.utils import load_file
+    from tau2.utils import load_file  # noqa: PLC0415 — the optional extra ``tau2``
 
     env_module = importlib.import_module(f"tau2.domains.{check_domain(domain)}.environment")
     utils = importlib.import_module(f"tau2.domains.{domain}.utils")

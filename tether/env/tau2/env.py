@@ -111,7 +111,7 @@ def _fresh(domain: str, task: Any, solo: bool) -> tuple[Any, list[Any]]:
 def solo_compatible(task: Any) -> bool:
     """Whether a task can be played solo: its initial history holds no user message (tau2 refuses them in a
     solo episode's history, ``Environment.set_state``; with no user, nothing would answer them either)."""
-    from tau2.data_model.message import UserMessage
+    from tau2.data_model.message import UserMessage  # noqa: PLC0415 — the optional extra ``tau2``
 
     history = (task.initial_state.message_history or []) if task.initial_state is not None else []
     return not any(isinstance(m, UserMessage) for m in history)
@@ -174,13 +174,13 @@ class Tau2Env:
             raise KeyError(f"unknown tau2 {self.domain} task id {task_id!r}") from None
         if self.solo and not solo_compatible(task):
             raise ValueError(f"tau2 {self.domain} task {task_id!r} opens with user messages: it has no solo mode")
-        from tau2.agent.llm_agent import (
+        from tau2.agent.llm_agent import (  # noqa: PLC0415 — the optional extra ``tau2``
             AGENT_INSTRUCTION,
             AGENT_SOLO_INSTRUCTION,
             SYSTEM_PROMPT,
             SYSTEM_PROMPT_SOLO,
         )
-        from tau2.data_model.message import AssistantMessage, UserMessage
+        from tau2.data_model.message import AssistantMessage, UserMessage  # noqa: PLC0415 — the optional extra ``tau2``
 
         env, messages = _fresh(self.domain, task, self.solo)
         ah = self.anti_hacking  # the call patterns; no_op_pass is judged at the end (``_end``)
@@ -231,7 +231,7 @@ class Tau2Env:
             return obs, reward, True, {**info, **end_info}
 
     async def _act(self, ep: _Episode, action: Action) -> tuple[Observation, str | None, list[str]]:
-        from tau2.data_model.message import AssistantMessage, ToolCall, UserMessage
+        from tau2.data_model.message import AssistantMessage, ToolCall, UserMessage  # noqa: PLC0415 — the optional extra ``tau2``
 
         name, params, problem = parse_action(action)
         flags = ep.detector.observe(name, params)
@@ -352,7 +352,7 @@ _TAU2_REASONS = {"user_stop", "agent_stop", "max_steps", "too_many_errors", "age
 
 def _text_messages(messages: list[Any]) -> list[Any]:
     """What the user sees: the agent's and the user's text (tool calls and results stay with the agent)."""
-    from tau2.data_model.message import AssistantMessage, UserMessage
+    from tau2.data_model.message import AssistantMessage, UserMessage  # noqa: PLC0415 — the optional extra ``tau2``
 
     return [m for m in messages if isinstance(m, (AssistantMessage, UserMessage))
             and not m.is_tool_call() and m.content]

@@ -56,7 +56,7 @@ class Score:
 def _route_nl_judge() -> None:
     """Make tau2's NL-assertion evaluator ask the judge of the current thread (``_local.judge``) when one is
     set; otherwise tau2's own litellm call runs as before."""
-    from tau2.evaluator import evaluator_nl_assertions as nl
+    from tau2.evaluator import evaluator_nl_assertions as nl  # noqa: PLC0415 — the optional extra ``tau2``
 
     with _patch_lock:
         if getattr(nl.generate, "_tether_routed", False):
@@ -67,7 +67,7 @@ def _route_nl_judge() -> None:
             judge = getattr(_local, "judge", None)
             if judge is None:
                 return original(model=model, messages=messages, **kwargs)
-            from tau2.data_model.message import AssistantMessage
+            from tau2.data_model.message import AssistantMessage  # noqa: PLC0415 — the optional extra ``tau2``
 
             text = judge([{"role": m.role, "content": m.content} for m in messages])
             return AssistantMessage(role="assistant", content=text)
@@ -81,9 +81,9 @@ def score(domain: str, task: Any, messages: list[Any], termination: str, *, solo
     """tau2's evaluation of one episode. ``termination``: a ``TerminationReason`` value (``user_stop``,
     ``agent_stop``, ``max_steps``, ``too_many_errors``, ``agent_error``, ...)."""
     load()
-    from tau2.data_model.simulation import SimulationRun, TerminationReason
-    from tau2.data_model.tasks import RewardType
-    from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+    from tau2.data_model.simulation import SimulationRun, TerminationReason  # noqa: PLC0415 — the optional extra ``tau2``
+    from tau2.data_model.tasks import RewardType  # noqa: PLC0415 — the optional extra ``tau2``
+    from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation  # noqa: PLC0415 — the optional extra ``tau2``
 
     criteria = task.evaluation_criteria
     basis = [b.value for b in criteria.reward_basis] if criteria is not None else []
@@ -103,7 +103,7 @@ def score(domain: str, task: Any, messages: list[Any], termination: str, *, solo
     _local.judge = judge
     try:
         info = evaluate_simulation(run, task, etype, solo_mode=solo, domain=evaluator_domain(domain))
-    except Exception as e:  # e.g. an env assertion about a record the episode never created raises in tau2
+    except Exception as e:  # noqa: BLE001 — e.g. an env assertion about a record the episode never created raises in tau2
         return Score(0.0, {}, basis, skipped, f"tau2's evaluator raised {type(e).__name__}: {e}")
     finally:
         _local.judge = None

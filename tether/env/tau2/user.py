@@ -51,13 +51,13 @@ class LLMUser:
 
     def __init__(self, task: Any, chat: ChatFn):
         load()
-        from tau2.user.user_simulator import UserSimulator
+        from tau2.user.user_simulator import UserSimulator  # noqa: PLC0415 — the optional extra ``tau2``
 
         self.chat = chat
         self.system_prompt = UserSimulator(instructions=str(task.user_scenario)).system_prompt
 
     def __call__(self, conversation: Sequence[Any]) -> str:
-        from tau2.user.base import UserState
+        from tau2.user.base import UserState  # noqa: PLC0415 — the optional extra ``tau2``
 
         flipped = UserState(system_messages=[], messages=list(conversation)).flip_roles()
         messages = [{"role": "system", "content": self.system_prompt}]
