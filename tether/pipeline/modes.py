@@ -144,7 +144,7 @@ class AsyncSource:
         self.producer, self.batch_tasks, self.sizes, self.weights = producer, batch_tasks, sizes, weights
         self.ledger, self.buffer = ledger, buffer
         self.max_groups_in_flight, self.groups_per_step = plan.max_groups_in_flight, plan.prompts_per_step
-        # the trainer takes trainer.require_batches queue batches of trainer.ppo_mini_batch_size samples per step
+        # the trainer takes the step's groups from the queue trainer.ppo_mini_batch_size samples at a time
         self.groups_per_take = plan.groups_per_take
         self.hacking_patterns = hacking_patterns
         self.normalization = normalization
