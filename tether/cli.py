@@ -108,15 +108,20 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint in --run-dir.")] = False,
     allow_config_change: Annotated[list[str] | None, typer.Option(
         "--allow-config-change", help="With --resume: a key (or a prefix ending in '.') whose value may differ from "
-                                      "the recorded config.yaml; repeat for several.")] = None,
+                                      "the recorded config.yaml; repeat for several. metrics.jsonl or samples.jsonl: "
+                                      "resume although that file lacks rows before the checkpoint (damage).")] = None,
 ) -> None:
     """Train with the merged config FILES (e.g. an example config plus seed files).
 
     Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 3 stopped by a monitor
     (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
-    checkpoint (resume with --resume)."""
+    checkpoint (resume with --resume).
+
+    One run per directory: a second run on a directory in use is refused (exit 2) naming the holder's PID and host.
+    --resume refuses a corrupt latest checkpoint, naming the complete one before it, and a metrics.jsonl /
+    samples.jsonl that lacks rows before the checkpoint unless --allow-config-change names the file."""
     from tether.distributed import ray_backend, remote  # noqa: PLC0415 — torch, transformers: not for --help
-    from tether.learner.checkpoint import latest_checkpoint  # noqa: PLC0415 — as above
+    from tether.learner.checkpoint import latest_checkpoint, resumable_checkpoint  # noqa: PLC0415 — as above
     from tether.pipeline import monitors, trainer  # noqa: PLC0415 — as above
 
     cfg = load_or_exit(files, set_)
@@ -125,10 +130,11 @@ def train(
         raise fail("--resume needs --run-dir (the run to continue)")
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     check_run_dir(run_dir)
-    for folder in (Path(cfg.model.path) if cfg.model.path else None, latest_checkpoint(run_dir) if resume else None):
-        if folder is not None:
-            check_weights(folder)
+    if cfg.model.path:
+        check_weights(Path(cfg.model.path))
     try:
+        if resume:  # a corrupt latest checkpoint: one line naming the complete one before it (before Ray starts)
+            resumable_checkpoint(run_dir)
         result = run_training(cfg, run_dir, resume=resume, allow_config_change=tuple(allow_config_change or ()))
     except (Preempted, monitors.MonitorStop) as e:
         hint = ("change the keys the warnings above name, then resume with (adding --allow-config-change KEY for "

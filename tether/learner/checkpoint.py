@@ -14,6 +14,14 @@ be plain data: dicts, lists, tuples, str, int, float, bool, None and tensors; an
 redacted one (``RunConfig.to_yaml``).
 
 The reference model is not saved: build the learner from the *initial* model, then ``load_checkpoint``.
+
+A corrupt checkpoint (a truncated ``trainer_state.pt`` or ``*.safetensors``: a disk fault or a partial copy, never
+an interrupted save, which the rename above rules out) is refused with ``CorruptCheckpoint``, one line that names
+the complete checkpoint before it and how to resume from that one (move the corrupt folder aside). Refused rather
+than skipped: falling back by itself would silently retrain the steps in between and drop their metrics rows,
+on damage that someone should look at. ``resumable_checkpoint`` checks the files' structure (safetensors headers
+and sizes, the zip directory of ``trainer_state.pt``), which costs no read of the data; damage inside the data
+that still parses is found by ``load_checkpoint``, which says the same.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ import random
 import re
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tether.learner import fsdp
@@ -39,6 +49,10 @@ STATE_FILE = "trainer_state.pt"
 _FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint folder whose files cannot be read; the message names the complete one before it."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -94,7 +108,10 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete tether checkpoint (no {STATE_FILE} in it)")
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:  # torch's words for a torn file
+        raise CorruptCheckpoint(_corrupt(path, f"{path / STATE_FILE} cannot be read ({_first_line(e)})")) from e
     if state.get("format") != _FORMAT:
         raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this tether reads {_FORMAT}")
     _load_weights(learner.model, path)
@@ -108,18 +125,77 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The complete ``run_dir/checkpoints/step_N`` with the largest N, or None."""
-    root = Path(run_dir, "checkpoints")
+    found = _complete(Path(run_dir, "checkpoints"))
+    return found[-1] if found else None
+
+
+def resumable_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """``latest_checkpoint`` with its files checked: raises ``CorruptCheckpoint`` (one line naming the complete
+    checkpoint before it, and how to resume from it) when they cannot be read."""
+    latest = latest_checkpoint(run_dir)
+    problem = checkpoint_problem(latest) if latest is not None else None
+    if latest is not None and problem is not None:
+        raise CorruptCheckpoint(_corrupt(latest, problem))
+    return latest
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the files of checkpoint ``path`` cannot be read (a torn or truncated ``*.safetensors`` or
+    ``trainer_state.pt``), or None. The structure only: headers, sizes, the zip directory — no read of the data."""
+    path = Path(path)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        return f"{path} has no *.safetensors weights"
+    for f in weights:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 — SafetensorError, OSError: all mean "this file is unusable"
+            return f"{f} is not a readable safetensors file ({_first_line(e)})"
+    try:
+        with zipfile.ZipFile(path / STATE_FILE):  # torch.save writes a zip; a cut one has lost its directory
+            pass
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{path / STATE_FILE} is not a readable torch file ({_first_line(e)})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def _complete(root: Path) -> list[Path]:
+    """The ``step_N`` folders under ``root`` that a finished save made, by N."""
     if not root.is_dir():
-        return None
+        return []
     found = []
     for d in root.iterdir():
         m = _STEP_DIR.fullmatch(d.name)
         if m and (d / STATE_FILE).is_file() and (d / "config.json").is_file():
             found.append((int(m.group(1)), d))
-    return max(found)[1] if found else None
+    return [d for _, d in sorted(found)]
 
 
-# ---------------------------------------------------------------------------------------------- pieces
+def _corrupt(path: Path, problem: str) -> str:
+    """The one line that refuses corrupt checkpoint ``path``: what is wrong, the complete one before it (its
+    files checked as ``resumable_checkpoint`` checks them), and how to resume from that one."""
+    step = _STEP_DIR.fullmatch(path.name)
+    if step is None:  # not a run's checkpoints/step_N folder: nothing to fall back to
+        return f"checkpoint {path} is corrupt: {problem}"
+    earlier = [d for d in _complete(path.parent)
+               if int(d.name[len("step_"):]) < int(step.group(1)) and checkpoint_problem(d) is None]
+    aside = path.parent / f"corrupt-{path.name}"
+    if earlier:
+        then = f"the complete checkpoint before it is {earlier[-1]}: to resume from it, move the corrupt one aside " \
+               f"(mv {path} {aside}) and --resume again (the steps after {earlier[-1].name} are trained again)"
+    else:
+        then = f"there is no complete checkpoint before it: move it aside (mv {path} {aside}) and --resume starts " \
+               "the run again from step 0"
+    return f"checkpoint {path} is corrupt: {problem}; {then}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -139,7 +215,10 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(f))
+        try:
+            weights.update(load_file(f))
+        except Exception as e:  # noqa: BLE001 — SafetensorError, OSError: all mean "this file is unusable"
+            raise CorruptCheckpoint(_corrupt(path, f"{f} cannot be read ({_first_line(e)})")) from e
     if isinstance(model, fsdp.FSDPModule):  # each rank keeps its shards of the whole weights
         return fsdp.load_weights(model, weights)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -14,6 +14,7 @@ import json
 import random
 import re
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import yaml
 from tether.config import RunConfig
 from tether.config.plan import Plan
 from tether.engine.local import LocalEngine
-from tether.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.learner.checkpoint import checkpoint_dir, load_checkpoint, resumable_checkpoint, save_checkpoint
 from tether.learner.fsdp import run_learner, unsharded
 from tether.learner.learner import Learner
 from tether.metrics import MetricsRecorder, make_sinks, read_jsonl_rows, record_metric, set_recorder
@@ -34,6 +35,7 @@ from tether.pipeline.modes import BatchSource, make_source
 from tether.pipeline.monitors import Monitors, checks
 from tether.pipeline.progress import Progress, log_to_file
 from tether.pipeline.rollouter import Rollouter
+from tether.pipeline.run_lock import LOCK_FILE, RunDirError, RunLock
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.streaming import overlaps
 from tether.pipeline.validation import drop_validation_after, write_validation
@@ -80,27 +82,62 @@ class RemoteParts(Protocol):
     def make_queue(self, max_size: int, window_size: int | None) -> Any: ...
 
 
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked (the message says why and what to do)."""
+def _resume_jsonl(path: Path, first: int, last: int, allowed: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """Check a step log against the checkpoint of step ``last``; returns the warnings and the text to write instead
+    (without what the interrupted run wrote after the checkpoint; None: keep the file as it is). ``first``: the
+    log's first step (metrics.jsonl: one row per step from 0, the held-out evaluations merged into their step's
+    row; samples.jsonl: one per step from 1).
 
-
-def _truncate_jsonl(path: Path, last_step: int) -> list[str]:
-    """Drop the rows an interrupted run wrote after its last checkpoint, and a torn last line (a write cut
-    short by a kill or a full disk); returns what was dropped, in words. A damaged line elsewhere is an error."""
-    if not path.exists():
-        return []
-    rows, bad = read_jsonl_rows(path)
-    last_line = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
+    An interruption leaves rows after the checkpoint (dropped: the resumed run writes them again) and at most a
+    torn last line after the checkpoint's rows (a write cut short by a kill or a full disk: dropped, with a
+    warning), never less: each step's row is written before its checkpoint. Anything else — rows of steps
+    ``first``..``last`` missing or repeated, an unreadable line before the end — is damage done to the file after
+    it was written, and is refused (``RunDirError``) unless ``allowed`` (``--allow-config-change``) names the
+    file: then the resume keeps what is there (a gap stays a gap; unreadable lines go) and says so."""
+    rows, bad = read_jsonl_rows(path) if path.exists() else ([], [])
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []
+    last_line = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    torn = [line for n, line in bad if n == last_line]
+    broken = [(n, line) for n, line in bad if n != last_line]
+    count = Counter(row["step"] for row in rows if first <= row["step"] <= last)
+    missing = [s for s in range(first, last + 1) if not count[s]]
+    repeated = sorted(s for s, c in count.items() if c > 1)
+    damage = []
+    if missing:
+        damage.append(f"lacks the rows of steps {_spans(missing)}")
+    if repeated:
+        damage.append(f"holds the rows of steps {_spans(repeated)} more than once")
+    if broken:
+        damage.append(f"has {len(broken)} unreadable line(s) before its end (line {broken[0][0]}: "
+                      f"{broken[0][1][:60]!r})")
     notes = []
-    for n, line in bad:
-        if n != last_line:
-            raise RunDirError(f"{path}, line {n}: not a JSON row with a step ({line[:80]!r}); fix or remove the "
-                              "line, then --resume again")
-        notes.append(f"{path}: dropped a torn last line ({len(line)} characters) left by the interruption")
-    kept = [row for row in rows if row["step"] <= last_step]
+    if damage:
+        what = "; ".join(damage + (["and a torn last line"] if torn else []))
+        if path.name not in allowed:
+            raise RunDirError(f"{path} {what}, before checkpoint step_{last}: damage done to the file after it was "
+                              "written (cut, edited or copied in part), not by an interruption, which only loses rows "
+                              f"after the checkpoint; restore the file, or resume anyway with --allow-config-change "
+                              f"{path.name} (what is missing stays missing)")
+        notes.append(f"{path} {what}, before checkpoint step_{last}: resumed as --allow-config-change {path.name} "
+                     "allows; what is missing stays missing")
+    elif torn:
+        notes.append(f"{path}: dropped a torn last line ({len(torn[0])} characters) after the checkpoint's rows, "
+                     "left by the interruption")
+    kept = [row for row in rows if row["step"] <= last]
     if len(kept) < len(rows) or bad:
-        path.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in kept), encoding="utf-8")
-    return notes
+        return notes, "".join(json.dumps(row, allow_nan=True) + "\n" for row in kept)
+    return notes, None
+
+
+def _spans(steps: list[int]) -> str:
+    """[3, 4, 7, 9, 10, 11] → "3–4, 7, 9–11"."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in spans)
 
 
 # Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
@@ -127,16 +164,16 @@ def config_changes(recorded: dict, new: dict, allowed: tuple[str, ...] = ()) -> 
 
 
 def check_run_dir(config: dict, run_dir: Path, resume: bool, allow_config_change: tuple[str, ...]) -> Path | None:
-    """Validate the run directory before anything is written; returns the checkpoint to resume from. ``config``:
-    the run's config as it would be recorded (``RunConfig.redacted_dict``), compared with the recorded one."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
+    """Validate the run directory before anything is written (under its lock: ``run_lock``, whose file is not
+    counted as content); returns the checkpoint to resume from. ``config``: the run's config as it would be
+    recorded (``RunConfig.redacted_dict``), compared with the recorded one. A corrupt latest checkpoint is refused
+    naming the complete one before it (``CorruptCheckpoint``, a ValueError)."""
     if not resume:
-        if run_dir.is_dir() and any(run_dir.iterdir()):
+        if run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
             raise RunDirError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a "
                               "new --run-dir (nothing was written)")
         return None
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = resumable_checkpoint(run_dir)
     recorded = run_dir / "config.yaml"
     if ckpt is None and not recorded.is_file():
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -223,26 +260,36 @@ class Run:
               show_progress: bool = True, allow_config_change: tuple[str, ...] = (),
               parts: RemoteParts | None = None) -> Run:
         run_dir = Path(run_dir)
-        ckpt = check_run_dir(cfg.redacted_dict(), run_dir, resume, allow_config_change)
-        notes, resumed_from_start = [], False
-        if ckpt is not None:  # before anything is written: a bad line must not cost the run's config
-            numbered = re.fullmatch(r"step_(\d+)", ckpt.name)
-            assert numbered is not None  # check_run_dir returns a step_N folder
-            step = int(numbered.group(1))
-            notes = [n for name in ("metrics.jsonl", "samples.jsonl") for n in _truncate_jsonl(run_dir / name, step)]
-            drop_validation_after(run_dir, step)  # the evaluations the resumed run makes again, or may not
-            if ckpt is NO_CHECKPOINT_YET:  # nothing to keep, not even step 0's evaluation: it runs again
-                notes.append(f"{run_dir} has no checkpoint yet: the run starts again from step 0")
-                for name in ("metrics.jsonl", "samples.jsonl"):
-                    (run_dir / name).unlink(missing_ok=True)
-                ckpt, resumed_from_start = None, True
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # secrets redacted by the dump
-        for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
-            shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
+        lock = RunLock(run_dir).acquire()  # one run per directory, until close: first, before any check or write
+        notes, resumed_from_start = [lock.warning] if lock.warning else [], False
+        try:
+            ckpt = check_run_dir(cfg.redacted_dict(), run_dir, resume, allow_config_change)
+            if ckpt is not None:  # before the config is written: a damaged log must not cost the run's config
+                numbered = re.fullmatch(r"step_(\d+)", ckpt.name)
+                assert numbered is not None  # check_run_dir returns a step_N folder
+                step = int(numbered.group(1))
+                logs = {} if ckpt is NO_CHECKPOINT_YET else {  # both checked before either is rewritten
+                    run_dir / name: _resume_jsonl(run_dir / name, first, step, allow_config_change)
+                    for name, first in (("metrics.jsonl", 0), ("samples.jsonl", 1))}
+                drop_validation_after(run_dir, step)  # the evaluations the resumed run makes again, or may not
+                for path, (warnings, text) in logs.items():
+                    notes += warnings
+                    if text is not None:
+                        path.write_text(text, encoding="utf-8")
+                if ckpt is NO_CHECKPOINT_YET:  # nothing to keep, not even step 0's evaluation: it runs again
+                    notes.append(f"{run_dir} has no checkpoint yet: the run starts again from step 0")
+                    for name in ("metrics.jsonl", "samples.jsonl"):
+                        (run_dir / name).unlink(missing_ok=True)
+                    ckpt, resumed_from_start = None, True
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())  # secrets redacted by the dump
+            for leftover in (run_dir / "checkpoints").glob(".tmp-step_*") if resume else ():
+                shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by the interruption
+        except BaseException:
+            lock.release(remove_created=True)  # refused: a directory made for the lock goes again
+            raise
         plan, po = Plan.of(cfg), cfg.policy_optimization
         torch.manual_seed(plan.seed)
-        closers: list[Callable[[], object]] = [log_to_file(run_dir / "train.log")]
+        closers: list[Callable[[], object]] = [lock.release, log_to_file(run_dir / "train.log")]
         try:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
