@@ -13,7 +13,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import make_learner
 from tether.config import RunConfig, Secret
 from tether.learner import build_tiny, load_model_and_tokenizer
-from tether.learner.checkpoint import STATE_FILE, checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.learner.checkpoint import (
+    STATE_FILE,
+    CorruptCheckpoint,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    resumable_checkpoint,
+    save_checkpoint,
+)
 from tether.types import Trajectory
 
 torch.set_num_threads(1)
@@ -105,6 +113,25 @@ def test_latest_checkpoint_ignores_incomplete_folders(tiny, tmp_path, monkeypatc
     assert not (root / "step_12").exists()
     assert sorted(p.name for p in root.glob(".tmp-step_12*")) == []  # cleaned up
     assert latest_checkpoint(tmp_path) == root / "step_3"
+
+
+@pytest.mark.parametrize("damaged", [STATE_FILE, "model.safetensors"])
+def test_a_truncated_checkpoint_is_refused_naming_the_complete_one_before_it(tiny, tmp_path, damaged):
+    model, tokenizer = tiny
+    learner = make_learner(copy.deepcopy(model), CFG)
+    for step in (1, 2, 3):
+        save_checkpoint(checkpoint_dir(tmp_path, step), learner, tokenizer, {})
+    root = tmp_path / "checkpoints"
+    for step in (2, 3):  # the latest and the one before it cut short: step_1 is the one to fall back to
+        torn = root / f"step_{step}" / damaged
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    assert latest_checkpoint(tmp_path) == root / "step_3"  # complete by its files' names, not by their contents
+    with pytest.raises(CorruptCheckpoint, match=rf"{root / 'step_3'} is corrupt: {root / 'step_3' / damaged} .*; "
+                                                rf"the complete checkpoint before it is {root / 'step_1'}: "):
+        resumable_checkpoint(tmp_path)  # the files' structure: no read of the data
+    with pytest.raises(CorruptCheckpoint, match=rf"the complete checkpoint before it is {root / 'step_1'}: .*mv "):
+        load_checkpoint(root / "step_3", learner)  # loading says the same
+    assert resumable_checkpoint(tmp_path / "no-run") is None
 
 
 def test_resave_replaces_and_rng_is_restored(tiny, tmp_path):

@@ -104,22 +104,22 @@ def _resume_jsonl(path: Path, first: int, last: int, allowed: tuple[str, ...]) -
     repeated = sorted(s for s, c in count.items() if c > 1)
     damage = []
     if missing:
-        damage.append(f"lacks the rows of steps {_spans(missing)}")
+        damage.append(f"lacks the rows of {_spans(missing)}")
     if repeated:
-        damage.append(f"holds the rows of steps {_spans(repeated)} more than once")
+        damage.append(f"holds the rows of {_spans(repeated)} more than once")
     if broken:
         damage.append(f"has {len(broken)} unreadable line(s) before its end (line {broken[0][0]}: "
                       f"{broken[0][1][:60]!r})")
     notes = []
     if damage:
-        what = "; ".join(damage + (["and a torn last line"] if torn else []))
+        what = "; ".join(damage) + f", before checkpoint step_{last}" + (" (and ends in a torn line)" if torn else "")
         if path.name not in allowed:
-            raise RunDirError(f"{path} {what}, before checkpoint step_{last}: damage done to the file after it was "
-                              "written (cut, edited or copied in part), not by an interruption, which only loses rows "
-                              f"after the checkpoint; restore the file, or resume anyway with --allow-config-change "
-                              f"{path.name} (what is missing stays missing)")
-        notes.append(f"{path} {what}, before checkpoint step_{last}: resumed as --allow-config-change {path.name} "
-                     "allows; what is missing stays missing")
+            raise RunDirError(f"{path} {what}: damage done to the file after it was written (cut, edited or copied "
+                              "in part), not by an interruption, which only loses rows after the checkpoint; restore "
+                              f"the file, or resume anyway with --allow-config-change {path.name} (what is missing "
+                              "stays missing)")
+        notes.append(f"{path} {what}: resumed as --allow-config-change {path.name} allows; what is missing stays "
+                     "missing")
     elif torn:
         notes.append(f"{path}: dropped a torn last line ({len(torn[0])} characters) after the checkpoint's rows, "
                      "left by the interruption")
@@ -130,14 +130,15 @@ def _resume_jsonl(path: Path, first: int, last: int, allowed: tuple[str, ...]) -
 
 
 def _spans(steps: list[int]) -> str:
-    """[3, 4, 7, 9, 10, 11] → "3–4, 7, 9–11"."""
+    """[3, 4, 7, 9, 10, 11] → "steps 3–4, 7, 9–11"; [5] → "step 5"."""
     spans: list[list[int]] = []
     for s in steps:
         if spans and s == spans[-1][1] + 1:
             spans[-1][1] = s
         else:
             spans.append([s, s])
-    return ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in spans)
+    words = ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in spans)
+    return f"step {words}" if len(steps) == 1 else f"steps {words}"
 
 
 # Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
