@@ -33,6 +33,11 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked (the message says why and what to do)."""
 
 
+class RunDirInUse(RunDirError):
+    """Another live process holds the run directory's lock: the refused process must write nothing there (not even
+    its failure into train.log, which is the holder's)."""
+
+
 class RunLock:
     """The lock of one run directory, held from ``acquire`` until ``release``."""
 
@@ -57,7 +62,7 @@ class RunLock:
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise RunDirError(f"--run-dir {self.run_dir} is in use by another run ({holder}, {self.path}); "
+                raise RunDirInUse(f"--run-dir {self.run_dir} is in use by another run ({holder}, {self.path}); "
                                   "wait for it to end or stop it, or choose another --run-dir (nothing was written)"
                                   ) from None
             except OSError as e:
