@@ -147,3 +147,4 @@ def test_two_resumes_of_one_run_the_second_exits_2_naming_the_first_which_finish
     assert [r["step"] for r in read_rows(run_dir)] == list(range(6))  # each step once
     assert [r["step"] for r in read_rows(run_dir, "samples.jsonl")] == list(range(1, 6))
     assert not (run_dir / LOCK_FILE).exists()
+    assert "in use by another run" not in (run_dir / "train.log").read_text()  # the refused run wrote nothing there
