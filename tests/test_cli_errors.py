@@ -135,6 +135,41 @@ def test_an_override_without_equals_sign_that_may_hold_a_secret_is_not_echoed(co
     assert result.exit_code == 2 and "expected key.path=value" in result.output and "SECRET" not in result.output
 
 
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_set_with_a_space_for_the_equals_sign_never_echoes_the_value(config, tmp_path, command):
+    # typer takes `llm_client.api_key` as the --set value and `sk-…` as a config FILE: "config file not found: sk-…"
+    secret = "sk-proj-abc123SECRETvalue"
+    run = ["--run-dir", str(tmp_path / "run")] if command == "train" else []
+    for args in ([command, "--set", "llm_client.api_key", secret, *run],  # the key's value as the only FILE
+                 [command, str(config), "--set", "llm_client.api_key", secret, *run]):
+        text = one_line_error(runner.invoke(app, args), "--set llm_client.api_key: no value",
+                              "--set takes key.path=value as one word", "not shown")
+        assert "SECRET" not in text and "sk-" not in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_file_named_like_a_key_is_not_echoed(config):
+    text = one_line_error(runner.invoke(app, ["config", str(config), "hf_abcdefSECRET123"]),
+                          "config file not found", "not shown", "--set takes key=value")
+    assert "SECRET" not in text
+    one_line_error(runner.invoke(app, ["config", "missing.yaml"]), "config file not found: missing.yaml")
+    one_line_error(runner.invoke(app, ["config", str(config), "--set", "trainer.total_steps", "5"]),
+                   "--set trainer.total_steps: no value", "--set trainer.total_steps=VALUE")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# all commented out\n# trainer: {total_steps: 3}\n", "{}\n"])
+def test_an_empty_config_as_the_only_file_is_refused(tmp_path, config, text):
+    # it started 100 steps of the random preset
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    for command in (["config"], ["train", "--run-dir", str(tmp_path / "run")]):
+        one_line_error(runner.invoke(app, [*command, str(empty)]), f"{empty} is empty: it sets no key")
+    assert not (tmp_path / "run").exists()
+    # an empty file among several is an overlay left empty: allowed
+    result = runner.invoke(app, ["config", str(config), str(empty)])
+    assert result.exit_code == 0 and "num_train_tasks: 5" in result.output, result.output
+
+
 def test_a_malformed_ordinary_value_is_still_shown(config):
     result = runner.invoke(app, ["config", str(config), "--set", "engine.max_tokens=[12"])
     assert result.exit_code == 2 and "[12" in result.output

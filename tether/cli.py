@@ -1,6 +1,9 @@
 """The ``tether`` command line. Each command is a function on ``app``; add one with ``@app.command()``.
 
-Bad input (a config error) exits with code 2 and a one-paragraph message on stderr, never a traceback.
+No traceback reaches the terminal. Bad input (a config error, a missing key variable) exits with code 2 and a
+one-paragraph message on stderr; a failed training run exits 1 with what failed, its last complete checkpoint and
+the command that resumes it, the traceback in ``RUN/train.log`` (``_run_failed``); any other exception a command
+does not catch exits 1 with one line naming the file that holds its traceback (``tether.cli_common.Group``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -21,7 +25,18 @@ from rich.markup import escape
 from rich.syntax import Syntax
 
 from tether.agent.loop import LoopLimits
-from tether.cli_common import Files, Overrides, check_checkpoint, check_run_dir, check_weights, fail, load_or_exit
+from tether.cli_common import (
+    Files,
+    Group,
+    Overrides,
+    check_checkpoint,
+    check_run_dir,
+    check_weights,
+    fail,
+    is_bad_input,
+    load_or_exit,
+    save_traceback,
+)
 from tether.config import ConfigError
 from tether.config.explain import explain as explain_key
 from tether.config.plan import Plan
@@ -31,7 +46,9 @@ from tether.llm.errors import display_url
 from tether.pipeline.evaluate import eval_metrics, evaluate
 from tether.pipeline.preemption import Preempted
 from tether.pipeline.progress import Progress
-from tether.pipeline.rollouter import Rollouter, RolloutError
+from tether.pipeline.rollouter import Rollouter
+from tether.pipeline.run_lock import RunDirInUse
+from tether.secrets import looks_secret, redacted
 from tether.verify.cli import verify_app
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
 
@@ -43,6 +60,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,  # an exception no command caught: one line, the traceback in a file (tether.cli_common)
 )
 app.add_typer(verify_app, name="verify")
 
@@ -93,10 +111,14 @@ def config(
 
 
 def _resume_command(files: list[Path], overrides: list[str] | None, run_dir: Path) -> str:
-    shown = [o if not re.search(r"key|token|secret|password", o.partition("=")[0], re.I)
-             else o.partition("=")[0] + "=…" for o in overrides or ()]  # a secret's value is never echoed
-    return " ".join(["tether train", *map(str, files), *(f"--set {o}" for o in shown), f"--run-dir {run_dir}",
-                     "--resume"])
+    shown = []
+    for o in overrides or ():
+        key, _, value = o.partition("=")
+        if looks_secret(key) and redacted(value) != value:  # a literal secret is never echoed; a ${VAR} may be
+            o = f"{key}=…"
+        shown.append(o)
+    return " ".join(["tether train", *(shlex.quote(str(f)) for f in files), *(f"--set {shlex.quote(o)}" for o in shown),
+                     f"--run-dir {shlex.quote(str(run_dir))}", "--resume"])
 
 
 @app.command()
@@ -113,14 +135,15 @@ def train(
 ) -> None:
     """Train with the merged config FILES (e.g. an example config plus seed files).
 
-    Exit codes: 0 done; 1 the run failed; 2 bad input (config, run directory); 3 stopped by a monitor
-    (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
-    checkpoint (resume with --resume).
+    Exit codes: 0 done; 1 the run failed (what failed, the last complete checkpoint and the resume command are
+    printed, the traceback appended to RUN/train.log); 2 bad input (config, run directory, key variable); 3 stopped
+    by a monitor (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after
+    saving a checkpoint (resume with --resume).
 
     One run per directory: a second run on a directory in use is refused (exit 2) naming the holder's PID and host.
     --resume refuses a corrupt latest checkpoint, naming the complete one before it, and a metrics.jsonl /
     samples.jsonl that lacks rows before the checkpoint unless --allow-config-change names the file."""
-    from tether.distributed import ray_backend, remote  # noqa: PLC0415 — torch, transformers: not for --help
+    from tether.distributed import ray_backend  # noqa: PLC0415 — torch, transformers: not for --help
     from tether.learner.checkpoint import latest_checkpoint, resumable_checkpoint  # noqa: PLC0415 — as above
     from tether.pipeline import monitors, trainer  # noqa: PLC0415 — as above
 
@@ -132,6 +155,7 @@ def train(
     check_run_dir(run_dir)
     if cfg.model.path:
         check_weights(Path(cfg.model.path))
+    recorded = _stamp(run_dir / "config.yaml")  # the run rewrites it once past its checks of the run directory
     try:
         if resume:  # a corrupt latest checkpoint: one line naming the complete one before it (before Ray starts)
             resumable_checkpoint(run_dir)
@@ -142,22 +166,49 @@ def train(
         Console(stderr=True, soft_wrap=True).print(
             f"{escape(str(e))}\n{hint}: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        raise fail(str(e)) from None
-    except OSError as e:
-        if e.errno == errno.ENOSPC:  # whatever was being written: the last complete checkpoint stands
-            last = latest_checkpoint(run_dir)
-            raise fail(f"no space left on the device of {run_dir} ({e.filename or 'while writing'}); the last complete "
-                       f"checkpoint is {last or 'none'}: free space, then resume with: "
-                       f"{_resume_command(files, set_, run_dir)}", code=1) from None
-        raise fail(str(e), code=1) from None
-    except RolloutError as e:  # every episode of a group failed
-        raise fail(str(e), code=1) from None
-    except (ray_backend.TrainerActorFailed, remote.RolloutActorLost) as e:  # ray: the last complete checkpoint stands
-        raise fail(f"{e}: {_resume_command(files, set_, run_dir)}", code=1) from None
+    except Exception as e:  # noqa: BLE001 — any failure of the run: a few lines here, the traceback in train.log
+        now = _stamp(run_dir / "config.yaml")
+        raise _run_failed(e, _resume_command(files, set_, run_dir), run_dir, latest_checkpoint(run_dir),
+                          wrote=now is not None and now != recorded, fresh=recorded is None) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
     _print_report(result.run_dir)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _run_failed(error: Exception, resume: str, run_dir: Path, last: Path | None, *, wrote: bool,
+                fresh: bool) -> typer.Exit:
+    """How a failed run ends. Bad input (a ConfigError, a ValueError, a missing key variable) exits 2 with its one
+    line, and a refusal before the run wrote anything writes nothing; once the run has written (``wrote``: its
+    config.yaml), its traceback is appended to RUN/train.log, and a run this call started (``fresh``) gets the
+    command that resumes it. Any other failure (an endpoint lost, a full disk, every episode failing, a bug) exits 1
+    with ``error: <Type>: <message>``, the last complete checkpoint and the resume command, its traceback in
+    RUN/train.log (or, with no run directory or a full disk, a file in the temp folder that the first line names).
+    A run refused because another holds the directory writes nothing there. No traceback reaches the terminal."""
+    log = run_dir / "train.log" if run_dir.is_dir() else None
+    if isinstance(error, RunDirInUse):  # the directory and its train.log are another live run's: write nothing
+        return fail(str(error))
+    if is_bad_input(error):
+        if wrote:
+            save_traceback(error, log, "the run failed")
+        return fail(str(error) + (f"\n{run_dir} holds this run now: after the fix, resume with: {resume}"
+                                  if wrote and fresh else ""))
+    where = save_traceback(error, log, "the run failed")
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # the last complete checkpoint stands
+        said = f"no space left on the device of {run_dir} ({error.filename or 'while writing'}); free space"
+    else:
+        said = f"{type(error).__name__}: {error}"
+    said += f" (traceback: {where or 'not saved: nowhere to write it'})"
+    if not (run_dir / "config.yaml").is_file():  # failed before the run wrote anything: nothing to resume
+        return fail(said, code=1)
+    return fail(f"{said}\nlast complete checkpoint: {last or 'none'}\nresume with: {resume}", code=1)
 
 
 def _print_report(run_dir: Path) -> None:

@@ -1,22 +1,32 @@
 """What every command of the ``tether`` CLI shares (``cli.py`` and ``verify/cli.py`` both import it): the option
-types, the error exit, loading the configs, the checks of a checkpoint folder and a run directory.
+types, the error exit, loading the configs, the checks of a checkpoint folder and a run directory, and the last
+resort for an exception no command caught (``Group``).
 
-Bad input exits with code 2 and a one-paragraph message on stderr (``fail``), never a traceback. Light on
-purpose: ``tether --help`` imports this (no torch, no transformers).
+No traceback reaches the terminal. Bad input exits with code 2 and a one-paragraph message on stderr (``fail``);
+any other failure exits 1 with one line ``error: <Type>: <message>`` and its traceback written to a file: a run's
+``RUN/train.log`` (``tether train``), else a new ``tether-<time>-<pid>.log`` in the temp folder, whose path the line
+names. Light on purpose: ``tether --help`` imports this (no torch, no transformers).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
 from tether.config import ConfigError, RunConfig, load_config
+from tether.config.io import parse_override, read_yaml
 from tether.env.plugin.registry import search_beside
+from tether.llm.errors import LLMError
+from tether.pipeline.progress import log_failure
 
 Files = Annotated[list[Path], typer.Argument(help="YAML config files, merged in order (later wins).")]
 Overrides = Annotated[
@@ -31,10 +41,63 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def is_bad_input(error: BaseException) -> bool:
+    """Whether a failure is the input's fault (exit 2) rather than the run's (exit 1): a config error, a ValueError
+    (what the run's checks of its run directory, tasks, environment and checkpoints raise), a missing file, a feature
+    the config asks for that is not built, an endpoint key that is missing or malformed (nothing was sent)."""
+    return (isinstance(error, ConfigError | ValueError | FileNotFoundError | NotImplementedError)
+            or (isinstance(error, LLMError) and error.config_fault))
+
+
+def save_traceback(error: BaseException, log: Path | None = None, what: str = "the command failed") -> Path | None:
+    """Append ``error``'s traceback to ``log`` (a run's train.log), or to a new file in the temp folder when there is
+    no log or it cannot be written (a full disk); returns the file, None when none could be written."""
+    temp = Path(tempfile.gettempdir()) / f"tether-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    for path in (log, temp):
+        if path is not None:
+            try:
+                log_failure(path, error, what)
+                return path
+            except OSError:
+                continue
+    return None
+
+
+def crash(error: BaseException) -> typer.Exit:
+    """An exception no command caught, as one line: bad input exits 2; anything else exits 1 naming the file that
+    holds its traceback."""
+    if is_bad_input(error):
+        return fail(str(error))
+    where = save_traceback(error)
+    return fail(f"{type(error).__name__}: {error} (traceback: {where or 'not saved: the temp folder is not writable'})",
+                code=1)
+
+
+class Group(TyperGroup):
+    """The ``tether`` app's command group: every command runs inside the last resort (``crash``)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (TyperException, typer.Exit, typer.Abort):  # usage errors, exits, aborts: typer shows them
+            raise
+        except Exception as e:  # noqa: BLE001 — the last resort: one line on the terminal, the traceback in a file
+            raise crash(e) from None
+
+
 def load_or_exit(files: list[Path], overrides: list[str] | None) -> RunConfig:
     """The merged config, or exit 2 with the error (for every command that takes configs). An import path the
-    config names (``environment.name: my_env:environment``) is looked for beside these files too."""
+    config names (``environment.name: my_env:environment``) is looked for beside these files too.
+
+    Before any file is read, each ``--set`` must be ``key=value``: ``--set KEY VALUE`` (a space for the ``=``)
+    makes VALUE a config file, and VALUE may be a key. The only config file empty is refused (the run would be all
+    defaults); an empty one among several is allowed (an overlay left empty)."""
     try:
+        for text in overrides or ():
+            parse_override(text)
+        if len(files) == 1 and not read_yaml(files[0]):
+            raise ConfigError(f"{files[0]} is empty: it sets no key, so every key would take its default; write "
+                              "the config in it, or give the config files you meant")
         cfg = load_config(files, overrides or ())
     except ConfigError as e:
         raise fail(str(e)) from None

@@ -69,12 +69,25 @@ def merged(paths: Sequence[str | Path] | str | Path, overrides: Sequence[str] = 
     return data, origins
 
 
+# What an API key looks like (a provider's prefix, or 24+ letters and digits): a config file so named, with no folder
+# and no .yaml, is most likely the value of a `--set KEY VALUE` written with a space, and is not echoed.
+_KEY_VALUE = re.compile(r"(?:(?:sk|pk|rk|hf|gsk|r8|ghp|gho|ghs|github_pat|glpat|xox[abprs]|nvapi)[-_]|AKIA|AIza|eyJ)"
+                        r"[-_A-Za-z0-9.]{8,}|(?=\S*[0-9])(?=\S*[A-Za-z])[-_A-Za-z0-9]{24,}")
+
+
+def _looks_like_a_key(name: str) -> bool:
+    return not name.endswith((".yaml", ".yml")) and bool(_KEY_VALUE.fullmatch(name))
+
+
 def read_yaml(path: str | Path) -> dict[Any, Any]:
     """One config file as a mapping of sections; an empty file is an empty mapping."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
+        if _looks_like_a_key(str(path)):
+            raise ConfigError("config file not found (its name is not shown: it looks like a key; --set takes "
+                              "key=value as one word, e.g. --set 'llm_client.api_key=${VAR}')") from None
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
@@ -103,6 +116,10 @@ def parse_override(text: str) -> tuple[Key, Any]:
     """``"a.b=c"`` -> (("a", "b"), c) with c parsed as YAML (``4``, ``[1, 2]``, ``null``, ``fifo``)."""
     key, sep, raw = text.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
+    if not sep and re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", text):  # a key alone: `--set KEY VALUE`
+        value = "'${VAR}'" if looks_secret(parts[-1]) else "VALUE"
+        raise ConfigError(f"--set {text}: no value; --set takes key.path=value as one word, e.g. --set {text}={value} "
+                          "(a value after a space is read as a config file, and is not shown here)")
     if not sep or not all(parts):
         secretish = any(looks_secret(word) for word in re.split(r"\W+", text))  # no '=': key and value are one text
         shown = repr(text) if not secretish else "(not shown: it may hold a secret)"

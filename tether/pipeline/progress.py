@@ -23,10 +23,13 @@ RUN_LOG.propagate = False
 RUN_LOG.setLevel(logging.INFO)
 
 
+LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+
+
 def log_to_file(path: Path) -> Callable[[], None]:
     """Append the run's log (and the warnings of the rest of tether) to ``path``; returns the undo."""
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setFormatter(LOG_FORMAT)
     handler.setLevel(logging.INFO)
     for logger in (RUN_LOG, logging.getLogger("tether")):
         logger.addHandler(handler)
@@ -36,6 +39,16 @@ def log_to_file(path: Path) -> Callable[[], None]:
             logger.removeHandler(handler)
         handler.close()
     return close
+
+
+def log_failure(path: Path, error: BaseException, what: str = "the run failed") -> None:
+    """Append ``error`` and its traceback to ``path`` (``RUN/train.log``) in the log's format. The command line
+    writes it once the failure has left the run, whose own handler (``log_to_file``) is closed by then; an OSError
+    (a full disk) is raised, not swallowed the way a logging handler would (printing its own traceback)."""
+    record = logging.LogRecord(RUN_LOG.name, logging.ERROR, __file__, 0, "%s: %s: %s",
+                               (what, type(error).__name__, error), (type(error), error, error.__traceback__))
+    with path.open("a", encoding="utf-8") as f:
+        f.write(LOG_FORMAT.format(record) + "\n")
 
 
 class Progress:

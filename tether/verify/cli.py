@@ -1,6 +1,8 @@
 """The ``tether verify`` sub-commands (registered on ``tether.cli.app`` as ``verify``).
 
-Exit codes, for every sub-command: 0 all criteria hold, 1 some failed (the diagnosis is printed), 2 bad input.
+Exit codes, for every sub-command: 0 all criteria hold, 1 some failed (the diagnosis is printed), 2 bad input. A
+failure of the check itself (an endpoint lost, a bug) also exits 1, in one line naming the file that holds its
+traceback (``tether.cli_common.Group``).
 The sub-commands that build a model or train import torch and transformers in their bodies (``tether --help``
 starts without them).
 """
