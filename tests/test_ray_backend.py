@@ -107,6 +107,24 @@ def test_a_pool_too_large_fails_at_start_before_any_actor(cluster, tiny_model, t
     assert cluster.available_resources().get("CPU") == 2.0  # no placement group left behind
 
 
+def test_a_run_directory_held_by_another_run_is_refused_in_the_trainer_actor_as_its_own_error(cluster, tiny_model,
+                                                                                            tmp_path):
+    """The lock is taken where Run.build runs (the trainer actor): the refusal reaches the driver as the RunDirInUse
+    the actor raised (not Ray's wrapper, whose text carries the actor's traceback), so the CLI prints one line."""
+    from tether.distributed.ray_backend import train_on_ray
+    from tether.pipeline.run_lock import RunDirInUse, RunLock
+
+    cfg = _cfg(tmp_path, tiny_model, "backend=ray")
+    holder = RunLock(tmp_path / "run").acquire()
+    try:
+        with pytest.raises(RunDirInUse, match=rf"is in use by another run \(PID {os.getpid()} ") as err:
+            train_on_ray(cfg, tmp_path / "run", show_progress=False)
+        assert type(err.value) is RunDirInUse and "Traceback" not in str(err.value)
+    finally:
+        holder.release()
+    assert not (tmp_path / "run" / "config.yaml").exists()  # the refused run wrote nothing
+
+
 def test_an_actor_sees_a_key_exported_after_the_cluster_started(cluster, tiny_model, tmp_path, monkeypatch):
     """The 401 case: the cluster's processes were started before the key was exported, so an actor started
     the plain way does not see it; the backend's actors do."""

@@ -89,7 +89,7 @@ def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, m
     """``tether.pipeline.trainer.train`` on Ray; returns its ``RunResult``. ``on_start(actors)`` (tests) is
     called with ``{"rollout": handle, "trainer": handle}`` once both actors are up."""
     import ray  # noqa: PLC0415 — the optional extra ``ray``
-    from ray.exceptions import RayActorError  # noqa: PLC0415 — as above
+    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415 — as above
 
     started = connect(cfg.ray)
     actors: list[Any] = []
@@ -111,6 +111,10 @@ def train_on_ray(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, m
             on_start({"rollout": rollout, "trainer": trainer})
         try:
             return ray.get(trainer.train.remote(str(run_dir), resume, show_progress, tuple(allow_config_change)))
+        except RayTaskError as e:  # the run raised in the actor: the caller handles the error itself, by its kind
+            if isinstance(e.cause, Exception):  # (a RunDirInUse refusal, a bad config: exit 2 in one line)
+                raise e.cause from None
+            raise
         except RayActorError as e:
             last = latest_checkpoint(Path(run_dir))
             raise TrainerActorFailed(f"the trainer actor died ({type(e).__name__}); the last complete checkpoint is "
