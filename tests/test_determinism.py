@@ -9,6 +9,10 @@ requests share an engine step depends on thread and asyncio timing (see ``tether
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -83,3 +87,81 @@ def test_fully_async_at_staleness_zero_is_the_sync_run_bit_for_bit(deterministic
     for a, f in zip(rows_a[1:], rows_f[1:], strict=True):
         assert {k: a[k] for k in a if k.startswith(("optim/", "reward/"))} == \
                {k: f[k] for k in f if k.startswith(("optim/", "reward/"))}, a["step"]
+
+
+# The overlap's timing: sync mode with the learner training each group beside the rollout (learner.overlap_rollout)
+# and the episodes staggered (4 in flight), so that groups finish while others still generate.
+OVERLAP = ("rollout.mode=sync", "learner.overlap_rollout=true", "policy_optimization.advantage.group_size=2",
+           "learner.batch_size=16", "learner.mini_batch_size=16", "rollout.worker.max_concurrent_tasks=4")
+
+
+@pytest.fixture(scope="module")
+def wider_model(tmp_path_factory) -> str:
+    """The tiny model, 128 wide: at 32 its products are too small for MKL to split across threads, so its results do
+    not depend on the thread count; at 128 a decode step's logprobs do (a few tokens in ten, by ~5e-7)."""
+    from tether.env.customer_service import example_texts
+    from tether.learner.model import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("wide") / "model", corpus=example_texts(100), num_hidden_layers=1,
+                      hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.slow
+def test_deterministic_runs_repeat_whatever_the_overlap_timing(wider_model, tmp_path, monkeypatch):
+    """With the learner beside the rollout, which engine steps and which groups run while the other computes follows
+    timing; each run here gets other random delays before the learner's groups and the engine's requests. Every run
+    is the reference run bit for bit: the behaviour logprobs, the metrics (but wall-clock), the weights. Before the
+    thread counts were pinned (tether.pipeline.streaming) the engine's logprobs changed with the delays."""
+    from tether.config import load_config
+    from tether.engine.local import LocalEngine
+    from tether.learner.accumulate import Accumulation
+    from tether.pipeline import streaming
+    from tether.pipeline.trainer import train
+
+    rng = random.Random(0)  # different delays for every run (the runs' own seed is fixed)
+    add, generate, advantages = Accumulation.add_trajectories, LocalEngine.generate, streaming.StepUpdate.advantages
+
+    def slow_add(self, *args):
+        time.sleep(rng.random() * 0.05)
+        return add(self, *args)
+
+    async def slow_generate(self, *args):
+        await asyncio.sleep(rng.random() * 0.02)
+        return await generate(self, *args)
+
+    logprobs: list[list[float]] = []
+
+    def recorded(self, produced):
+        trajs, adv = advantages(self, produced)
+        logprobs.extend(t.logprobs for t in trajs)
+        return trajs, adv
+
+    monkeypatch.setattr(Accumulation, "add_trajectories", slow_add)
+    monkeypatch.setattr(LocalEngine, "generate", slow_generate)
+    monkeypatch.setattr(streaming.StepUpdate, "advantages", recorded)
+    (tmp_path / "small_run.yaml").write_text(SMALL_RUN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # every run alike: the engine and the learner get one each while both compute
+    try:
+        results = []
+        for i in range(6):  # a reference and 5 more
+            logprobs.clear()
+            cfg = load_config([tmp_path / "small_run.yaml"],
+                              [f"model.path={wider_model}", "trainer.deterministic=true", *OVERLAP])
+            train(cfg, tmp_path / str(i), show_progress=False)
+            rows = [{k: v for k, v in row.items() if k not in WALL_CLOCK and not k.startswith("perf/")}
+                    for row in read_rows(tmp_path / str(i))]
+            weights = load_file(tmp_path / str(i) / "checkpoints" / "step_3" / "model.safetensors")
+            results.append((list(logprobs), rows, weights))
+    finally:
+        torch.set_num_threads(threads)
+    (ref_logprobs, ref_rows, ref_weights), *others = results
+    assert len(ref_logprobs) == 3 * 16 and [r["step"] for r in ref_rows] == [0, 1, 2, 3]
+    assert sum(r["perf/learner_overlap_s"] for r in read_rows(tmp_path / "0")[1:]) > 0  # the learner overlapped
+    for i, (lp, rows, weights) in enumerate(others, 1):
+        differ = [k for k, (a, b) in enumerate(zip(ref_logprobs, lp, strict=True)) if a != b]
+        assert not differ, f"run {i}: the behaviour logprobs of trajectories {differ} differ"
+        for a, b in zip(ref_rows, rows, strict=True):
+            assert a == b, (i, a["step"], {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys()
+                                           if a.get(k) != b.get(k)})
+        assert_same_weights(ref_weights, weights)

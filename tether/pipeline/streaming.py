@@ -13,7 +13,7 @@ Advantages. Each group's advantages are computed once (``advantages``, the one f
 whole batch): as it is trained when the step streams, all together when it does not (``StepUpdate.advantages``).
 
 Order. Groups are trained as they finish; with ``trainer.deterministic`` in the order of the step's task list
-(a group waits for those before it), so that a run repeats bit for bit. In the async modes the groups are
+(a group waits for those before it), so that the gradient is summed in one order. In the async modes the groups are
 produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
 
 Threads. While both compute, the engine's thread and the learner's worker each get half the trainer's torch threads
@@ -21,6 +21,19 @@ Threads. While both compute, the engine's thread and the learner's worker each g
 holds waits for it at every barrier, which measured slower than one thread each. While the learner waits for a
 group, the engine has them all (``engine_threads``; a decode step of the demo's is 15-25 % faster on two threads
 than on one). After the rollout the trainer's own thread trains what is left with all of them.
+
+Deterministic threads (``trainer.deterministic``). On a CPU a result can depend, in its last bits, on the number of
+torch threads that computed it (how a product's or a reduction's partial sums are split). Measured on the demo's
+model (hidden 128): the engine's logprobs on one thread and on two differ, by up to 5e-6, at some tokens of most
+requests. With the threads traded as above, which engine steps run on half the threads follows the learner's
+timing, and so do the behaviour logprobs, the importance ratios, the gradient and the weights (1 pair of 3 demo runs
+differed: 1.5e-8 on the weights at step 4, then 6 metrics). The learner's side of the demo measured the same on one
+thread and two, but a reduction over more than 32k elements (torch's grain) is split by thread, and which groups
+train beside the rollout and which after it follows timing too. So in deterministic mode the counts are pinned
+(``pinned``): the engine gets half the threads from the step's start to the rollout's end, and every group is trained
+on the other half, the groups left after the rollout included. What that gives up (the engine decodes on half the
+threads while the learner idles, the groups left after the rollout train on half) cost nothing on the demo step,
+which got faster: a request decoded on its own is too small for a second thread to pay (``docs/determinism.md``).
 
 Metrics: ``perf/learner_overlap_s`` — learner seconds spent while the rollout was still running (0 without
 overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
@@ -92,14 +105,16 @@ class StepUpdate:
                  ordered: bool, engine_threads: Callable[[int], object] | None = None):
         """``advantage``: the ``policy_optimization.advantage`` section; ``overlap_rollout`` and ``mode``:
         ``learner.overlap_rollout`` and ``rollout.mode`` (``overlaps``); ``ordered``: ``trainer.deterministic``
-        (groups trained in task order); ``engine_threads(n)``: give the rollout engine n torch threads (from its next
-        step on); None = leave it."""
+        (groups trained in task order, thread counts pinned: see the module docstring); ``engine_threads(n)``: give
+        the rollout engine n torch threads (from its next step on); None = leave it."""
         self.learner, self.engine_threads = learner, engine_threads
         self.normalization, self.min_std = advantage.normalization, advantage.degenerate_group_filter.min_reward_std
         self.streams = streams(learner, self.normalization)
         self.overlap = overlaps(learner, self.normalization, overlap_rollout=overlap_rollout, mode=mode)
         self.threads, self.all_threads = split_threads(), torch.get_num_threads()  # read in the trainer's thread
         self.ordered = ordered
+        # deterministic: every group trained on ``threads``, the engine on ``threads`` until the rollout ends
+        self.pinned = self.overlap and ordered
         self.update: Accumulation | None = None
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
         self._advantages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Produced) -> ``advantages`` of it
@@ -111,6 +126,8 @@ class StepUpdate:
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
         self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
         self.overlap_s = 0.0
+        if self.pinned:
+            self._share(self.threads)  # before the step's first request: the engine applies it before its next step
 
     # -- rollout side (the event loop's thread) --------------------------------------------------------------
     def offer(self, produced: Produced) -> None:
@@ -142,9 +159,10 @@ class StepUpdate:
                 except queue.Empty:
                     continue
                 t0 = time.perf_counter()
-                self._share(self.threads)
+                if not self.pinned:
+                    self._share(self.threads)
                 self._add(produced)
-                if self._todo.empty():
+                if self._todo.empty() and not self.pinned:
                     self._share(self.all_threads)  # the learner waits: the engine has every thread
                 self.overlap_s += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 — surfaced by finish, never swallowed
@@ -194,10 +212,11 @@ class StepUpdate:
 
     def _stop_worker(self) -> None:
         self._handoff.set()
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-            self._share(self.all_threads)  # (it may have stopped with a group queued)
+        if self._worker is not None or self.pinned:
+            if self._worker is not None:
+                self._worker.join()
+                self._worker = None
+            self._share(self.all_threads)  # the rollout is over (the worker may have stopped with a group queued)
 
     def train(self, produced: Sequence[Produced], trajectories: list[Trajectory], advantages: torch.Tensor) -> bool:
         """Train the step: ``produced`` is every group delivered (in task order), ``trajectories`` and ``advantages``
@@ -212,9 +231,15 @@ class StepUpdate:
         t0 = time.perf_counter()
         kept = [p for p in produced if _trainable(p)]
         done = set(self.trained)
-        for p in kept:
-            if id(p) not in done:
-                self._add(p)
+        if self.pinned:
+            torch.set_num_threads(self.threads)  # the worker's count: a group's gradient is the same on either side
+        try:
+            for p in kept:
+                if id(p) not in done:
+                    self._add(p)
+        finally:
+            if self.pinned:
+                torch.set_num_threads(self.all_threads)
         if len(self.trained) != len(kept) or sum(len(p.group.trajectories) for p in kept) != len(trajectories):
             raise RuntimeError(f"the streamed update trained {len(self.trained)} groups of {len(kept)}")
         if self.update is None:
