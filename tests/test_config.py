@@ -337,7 +337,7 @@ BAD = [
     ("bad_set_value", {"ok.yaml": "agent_loop:\n  max_user_turns: 2\n"}, ["agent_loop.max_parallel_calls=0"],
      ["`agent_loop.max_parallel_calls` = 0 in --set", "expected an integer >= 1"]),
     ("set_without_equals", {"ok.yaml": "{}\n"}, ["learner.batch_size"],
-     ["--set 'learner.batch_size'", "expected key.path=value"]),
+     ["--set learner.batch_size: no value", "--set takes key.path=value as one word"]),
     ("yaml_syntax_error", {"bad.yaml": "learner:\n  batch_size: [8\n"}, [],
      ["bad.yaml:3:", "YAML syntax error"]),
     ("top_level_list", {"bad.yaml": "# a list, not sections\n- learner\n- rollout\n"}, [],
