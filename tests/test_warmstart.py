@@ -2,6 +2,9 @@
 file's errors, the cache's one-build-under-a-lock, and the tiny-sft preset (a miniature recipe)."""
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -116,7 +119,7 @@ def test_cached_build_runs_once_while_others_wait(tmp_path):
     assert calls[0] != target and not calls[0].exists()  # built elsewhere, renamed into place
     assert sum(m.startswith("built test preset in ") and m.endswith(f"cached at {target}") for m in logs) == 1
     assert sum(m.startswith("waiting for another process") for m in logs) >= 1
-    assert sorted(p.name for p in target.parent.iterdir()) == ["preset-abc", "preset-abc.lock"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["preset-abc"]  # the lock file goes with its holder
 
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path):
@@ -128,7 +131,25 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
 
     with pytest.raises(RuntimeError):
         runtime.cached_build(target, broken, what="test", log=lambda m: None)
-    assert not target.exists() and [p.name for p in tmp_path.iterdir()] == ["preset.lock"]
+    assert list(tmp_path.iterdir()) == []  # no preset, no temporary folder, no lock file
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_build_stopped_by_a_signal_leaves_nothing_behind(tmp_path, sig, code):
+    """A preset build is the first, long part of a first ``tether train``: a scheduler's SIGTERM (or Ctrl-C) then
+    must not leave a temporary folder or a lock file in the cache."""
+    script = (f"import pathlib, time\nfrom tether import runtime\n"
+              f"def build(folder):\n    (folder / 'started').write_text('1')\n    time.sleep(60)\n"
+              f"runtime.cached_build(pathlib.Path({str(tmp_path / 'preset')!r}), build, what='test')\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".preset-*/started")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".preset-*/started")), "the build did not start"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 SMALL = tiny_sft.Recipe(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,

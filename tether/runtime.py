@@ -6,15 +6,18 @@ same objects the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,28 +53,75 @@ def cached_build(target: Path, build: Callable[[Path], Any], *, what: str, note:
                  log: Callable[[str], None] = say) -> str:
     """``target`` if it holds a model, else ``build`` it there once: under an exclusive lock on
     ``target.lock`` (a second process waits instead of building it again), into a temporary folder that is
-    renamed into place when complete (a crash leaves no half-built preset)."""
+    renamed into place when complete. Nothing is left behind but the preset: a failed, refused or interrupted
+    build (SIGTERM / SIGINT on the main thread: the temporary folder is removed, then the signal's exit code,
+    143 / 130) removes its temporary folder, and the lock file goes when its holder is done (a waiter that had
+    opened it locks the file that is there then: see ``_lock_file``)."""
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f"{target.name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process that is building the {what} preset into {target}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = target.parent / f"{target.name}.lock"
+    fd = _lock_file(lock_path, lambda: log(f"waiting for another process that is building the {what} preset into "
+                                           f"{target}"))
+    try:
         if (target / "config.json").is_file():
             return str(target)
         log(f"building the {what} preset (one time{note}) into {target}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            t0 = time.perf_counter()
-            build(tmp)
-            os.rename(tmp, target)
+            with _signals_raise():
+                t0 = time.perf_counter()
+                build(tmp)
+                os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         log(f"built {what} preset in {time.perf_counter() - t0:.0f} s, cached at {target}")
+    finally:
+        lock_path.unlink(missing_ok=True)  # before the lock goes: a newcomer then makes (and locks) a new file
+        os.close(fd)
     return str(target)
+
+
+def _lock_file(path: Path, on_wait: Callable[[], object]) -> int:
+    """An exclusive ``flock`` on ``path`` (created if missing), waiting for the holder; returns the descriptor. The
+    holder removes the file when it is done, so a waiter that opened it before that locks a file no longer at
+    ``path``: then it locks the file that is there now (as ``tether.pipeline.run_lock`` does)."""
+    waited = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not waited:
+                on_wait()
+                waited = True
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise ``SystemExit`` (143 / 130) while the block runs, so its ``finally`` clauses clean
+    up; on the main thread only (elsewhere signals cannot be handled), restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def model_path(cfg: RunConfig) -> str:
