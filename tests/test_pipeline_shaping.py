@@ -170,6 +170,11 @@ def test_no_signal_warning_only_when_nothing_ever_succeeds():
     assert "warm-start" in no_signal_warning(none, 5) and "step 5" in no_signal_warning(none, 5)
     solved = [Produced(group("A", [1, 1]), 1, 0, first_degenerate=True, any_success=True)]
     assert no_signal_warning(solved, 5) is None
+    # what it says fits the run: "resampled" only when the filter resampled, the preset only where it applies
+    assert "resampled" not in no_signal_warning(none, 5) and "tiny-sft" in no_signal_warning(none, 5)
+    again = [Produced(group("A", [0, 0]), 1, 0, first_degenerate=True, dropped=True, resampled=2)]
+    assert "(resampled too)" in no_signal_warning(again, 5)
+    assert "tiny-sft" not in no_signal_warning(none, 5, preset_hint=False)
 
 
 def test_diversity_bonus_rewards_distinct_successful_strategies(metrics):

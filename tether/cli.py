@@ -274,7 +274,8 @@ def sft(
     except (DemoError, ValueError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     tokens = sum(t.num_model_tokens for t in trajs)
-    typer.echo(f"{len(trajs)} demonstrations, {tokens} trained tokens; {epochs} epochs at lr {lr:g}")
+    plural = "s" if epochs != 1 else ""
+    typer.echo(f"{len(trajs)} demonstrations, {tokens} trained tokens; {epochs} epoch{plural} at lr {lr:g}")
     torch.manual_seed(cfg.trainer.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
@@ -327,7 +328,7 @@ def eval_(
         typer.echo(json.dumps(metrics, indent=2))
     else:
         shown = [t for t, ts in zip(eval_tasks, per_task) for _ in ts]
-        Progress(0, enabled=True, console=Console()).eval_table(0, metrics, shown, trajs)
+        Progress(0, enabled=True, console=Console()).eval_table(str(checkpoint), metrics, shown, trajs)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
         typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task],

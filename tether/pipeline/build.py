@@ -374,7 +374,7 @@ class Run:
         write_validation(self.run_dir, step, self.evaluate.tasks, trajs)  # RUN/validation/step_N.jsonl
         for k, v in metrics.items():
             record_metric(k, v, "last")
-        self.progress.eval_table(step, metrics, self.evaluate.tasks, trajs)
+        self.progress.eval_table(f"step {step}", metrics, self.evaluate.tasks, trajs)
         return metrics
 
     def checkpoint(self, step: int) -> Path:

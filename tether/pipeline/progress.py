@@ -79,11 +79,13 @@ class Progress:
                  f"{row.get('perf/samples_per_s', float('nan')):.1f} samples/s")
         self._bar.update(self._task, completed=step, stats=stats)
 
-    def eval_table(self, step: int, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory],
+    def eval_table(self, where: str, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory],
                    rows: int = 3) -> None:
+        """The held-out figures and the first ``rows`` conversations; ``where``: which weights ("step 8", or the
+        checkpoint ``tether eval`` evaluates)."""
         if not self.enabled:
             return
-        table = Table(title=f"eval @ step {step}: success {metrics['eval/success_rate']:.2%}, "
+        table = Table(title=f"eval @ {where}: success {metrics['eval/success_rate']:.2%}, "
                             f"reward {metrics['eval/reward_mean']:.3f}", show_lines=True)
         for col in ("task", "kind", "reward", "ok", "end", "conversation"):
             table.add_column(col, overflow="fold")

@@ -240,12 +240,15 @@ def signal_before_filter(first_rewards: list[list[float]], normalization: Normal
             "optim/advantage_std_before_filter": float(m["advantage_std"])}
 
 
-def no_signal_warning(batch: list[Produced], step: int) -> str | None:
-    """A one-line diagnosis when no group of the step carries signal because nothing ever succeeds."""
+def no_signal_warning(batch: list[Produced], step: int, *, preset_hint: bool = True) -> str | None:
+    """A one-line diagnosis when no group of the step carries signal because nothing ever succeeds; ``preset_hint``:
+    the tiny-sft preset can warm-start this run's environment (the customer-service one), so it is named."""
     if batch and all(p.first_degenerate for p in batch) and not any(p.any_success for p in batch):
-        return (f"step {step}: every group is degenerate and no rollout succeeded (even resampled), so there is "
-                "nothing to learn from. Remedy: warm-start the policy (`tether sft`, or model.preset: tiny-sft), "
-                "use easier tasks, or give each task more rollouts (policy_optimization.advantage.group_size).")
+        resampled = " (resampled too)" if any(p.resampled for p in batch) else ""
+        preset = ", or model.preset: tiny-sft" if preset_hint else ""
+        return (f"step {step}: every group is degenerate and no rollout succeeded{resampled}, so there is nothing "
+                f"to learn from. Remedy: warm-start the policy (`tether sft`{preset}), use easier tasks, or give "
+                "each task more rollouts (policy_optimization.advantage.group_size).")
     return None
 
 

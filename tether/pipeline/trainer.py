@@ -26,6 +26,7 @@ from tether.pipeline.monitors import MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
 from tether.pipeline.streaming import StepUpdate
+from tether.warmstart.tiny_sft import ENVIRONMENT as TINY_SFT_ENVIRONMENT
 
 
 @dataclass
@@ -43,6 +44,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     run = Run.build(cfg, run_dir, resume=resume, model_dir=model_dir, show_progress=show_progress,
                     allow_config_change=allow_config_change, parts=parts)
     tr, monitors = cfg.trainer, run.monitors
+    tiny_sft_applies = cfg.environment.name == TINY_SFT_ENVIRONMENT  # the preset warm-starts that one only
     with run, PreemptionGuard() as stop:
         eval_before = run.eval(0) if run.start == 0 else {}
         if run.start == 0:
@@ -56,7 +58,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
                             engine_threads=run.engine_threads) as update:
                 batch = run.source.next_batch(step, on_group=update.offer)
                 fault("batch", step)
-                if (warning := no_signal_warning(batch.produced, step)) is not None:
+                if (warning := no_signal_warning(batch.produced, step, preset_hint=tiny_sft_applies)) is not None:
                     run.progress.warn(warning)
                 trajs, adv = update.advantages(batch.produced)  # each group's once (a streamed one's as it trained)
                 if not update.train(batch.produced, trajs, adv):  # records the optim/* metrics
