@@ -7,22 +7,27 @@
    tokens are exactly those RL will generate: ``tether.warmstart.tiny_sft`` — the recipe of the
    ``model.preset: tiny-sft`` that config.yaml names, built here into the run directory so that its time is
    measured (``tether train config.yaml`` builds it once into the cache instead);
-2. run GRPO in sync mode (config.yaml) and print held-out success before and after RL.
+2. run GRPO in sync mode (config.yaml) and print held-out success before and after RL;
+3. end with the before → after figures, the report of each run (``tether report``) and two commands to try next.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before transformers loads: no tqdm bars in the demo
 
-from tether.config import RunConfig, load_config
-from tether.pipeline.trainer import train
-from tether.warmstart.tiny_sft import build_tiny_sft
+import torch  # noqa: E402
+
+from tether.config import RunConfig, load_config  # noqa: E402
+from tether.pipeline.trainer import train  # noqa: E402
+from tether.report import ReportError, build_report  # noqa: E402
+from tether.warmstart.tiny_sft import build_tiny_sft  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -63,9 +68,32 @@ def main() -> None:
     torch.set_num_threads(2)
     results = [run(s, args.run_dir, args.overrides) for s in args.seeds]
     (args.run_dir / "summary.json").write_text(json.dumps(results, indent=2))
+    for line in closing(results):
+        say(line)
+
+
+def closing(results: list[dict]) -> list[str]:
+    """The demo's last lines: held-out success before → after RL per seed (and the mean gain), each run's report
+    (built here, as ``tether report`` builds it), and the two commands a newcomer runs next on the first run."""
+    lines = ["", "[demo] done. Held-out success (greedy, the environment's eval split):"]
+    for r in results:
+        lines.append(f"  seed {r['seed']}: {r['sft_success']:.1%} after SFT → {r['rl_success']:.1%} after RL "
+                     f"({r['gain'] * 100:+.1f} points, {r['total_s']:.0f} s)")
     if len(results) > 1:
-        mean = sum(r["gain"] for r in results) / len(results)
-        say(f"[demo] mean gain over {len(results)} seeds: {mean * 100:+.1f} points")
+        lines.append(f"  mean gain over {len(results)} seeds: "
+                     f"{sum(r['gain'] for r in results) / len(results) * 100:+.1f} points")
+    for r in results:
+        try:
+            lines.append(f"[demo] report of seed {r['seed']}: {build_report(r['run_dir']).index}")
+        except (ReportError, OSError) as e:  # the run is done: a report that cannot be built is a note
+            lines.append(f"[demo] no report for seed {r['seed']} ({e}); build it with tether report {r['run_dir']}")
+    run_dir = Path(results[0]["run_dir"])
+    last = max(run_dir.glob("checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]), default=None)
+    lines += ["[demo] next:",
+              f"  tether verify optim {run_dir}    # is it learning? the signal, gradient and KL criteria, per step"]
+    if last is not None:
+        lines.append(f"  tether eval {last} --config {HERE / 'config.yaml'}    # the trained policy on the eval split")
+    return lines
 
 
 if __name__ == "__main__":
