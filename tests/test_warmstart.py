@@ -174,3 +174,24 @@ def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, cap
                              "trainer.seed=1"])
     assert tiny_sft.cache_key(other) != tiny_sft.cache_key(cfg)
     assert tiny_sft.cache_key(cfg, SMALL) == tiny_sft.cache_key(cfg) != tiny_sft.cache_key(cfg, tiny_sft.Recipe())
+
+
+def test_the_preset_build_says_how_long_it_has_left_after_each_epoch():
+    """EpochClock: the time left of every phase from the measured epochs; a phase not reached yet is scaled by its
+    tokens per epoch from the last measured one."""
+    now = [0.0]
+    lines: list[str] = []
+    clock = tiny_sft.EpochClock(lines.append, [("dialogue", 3, 100), ("full", 2, 400)], clock=lambda: now[0])
+    log = clock.phase("dialogue")
+    log("copy-free note")  # not an epoch line: passed through as is
+    for _ in range(3):
+        now[0] += 60.0  # a dialogue epoch: 60 s (0.6 s per token); a full one is estimated at 400 × 0.6 = 240 s
+        log("sft epoch n/3: nll/token 1.0")
+    log = clock.phase("full")
+    now[0] += 300.0  # the first full epoch measures 300 s: the estimate follows it
+    log("sft epoch 1/2: nll/token 0.5")
+    assert lines == ["copy-free note",
+                     "sft epoch n/3: nll/token 1.0 — about 10 min of the build left",  # 2 × 60 + 2 × 240 s
+                     "sft epoch n/3: nll/token 1.0 — about 9 min of the build left",  # 60 + 480 s
+                     "sft epoch n/3: nll/token 1.0 — about 8 min of the build left",  # 480 s
+                     "sft epoch 1/2: nll/token 0.5 — about 5 min of the build left"]  # 300 s

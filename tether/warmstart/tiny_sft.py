@@ -80,6 +80,60 @@ def without_system_prompt(traj: Trajectory, turn_start: int) -> Trajectory:
     return replace(traj, prompt_ids=traj.prompt_ids[first_user:])
 
 
+def _tokens(trajs: list[Trajectory]) -> int:
+    return sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+
+
+class EpochClock:
+    """The time left of a build's SFT phases, appended to each epoch's log line: the epochs left of every phase
+    times a measured epoch's seconds, a phase not reached yet scaled from the last measured one by its tokens per
+    epoch (an estimate; it firms up as phases are measured)."""
+
+    def __init__(self, log: Callable[[str], None], phases: list[tuple[str, int, int]],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.log, self.clock = log, clock
+        self.epochs = {name: epochs for name, epochs, _ in phases}
+        self.tokens = {name: max(tokens, 1) for name, _, tokens in phases}
+        self.order = [name for name, _, _ in phases]
+        self.done = dict.fromkeys(self.order, 0)
+        self.seconds: dict[str, float] = {}  # seconds per epoch, by phase (the last measured)
+        self._t: float | None = None
+
+    def phase(self, name: str) -> Callable[[str], None]:
+        """The ``log`` to give ``sft`` for phase ``name``: its epoch lines get the time left."""
+        self._t = None
+
+        def log(msg: str) -> None:
+            now = self.clock()
+            if msg.startswith("sft epoch"):
+                if self._t is not None or self.done[name] == 0:
+                    start = self._t if self._t is not None else self._start
+                    self.seconds[name] = now - start
+                self.done[name] += 1
+                self._t = now
+                left = self.left()
+                if left is not None:
+                    msg += f" — about {_duration(left)} of the build left"
+            self.log(msg)
+
+        self._start = self.clock()
+        return log
+
+    def left(self) -> float | None:
+        """Seconds left of every phase, or None before any epoch was measured."""
+        if not self.seconds:
+            return None
+        ref = next(n for n in reversed(self.order) if n in self.seconds)
+        per_token = self.seconds[ref] / self.tokens[ref]
+        return sum((self.epochs[n] - self.done[n]) * self.seconds.get(n, per_token * self.tokens[n])
+                   for n in self.order)
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes >= 1 else f"{max(1, round(seconds))} s"
+
+
 def _check_environment(cfg: RunConfig) -> None:
     if cfg.environment.name != ENVIRONMENT:
         raise ValueError(f"model.preset tiny-sft is warm-started on the {ENVIRONMENT} environment, not "
@@ -128,15 +182,21 @@ def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, 
     swap = EntitySwap(pools)
     turn_start = tokenizer.convert_tokens_to_ids(IM_START)
     pad = tokenizer.pad_token_id
+    short = [without_system_prompt(d, turn_start) for d in demos]
+    progress = EpochClock(log, [("dialogue", recipe.dialogue_epochs, _tokens(short)),
+                                ("full", recipe.full_epochs, _tokens(demos))])
+    log(f"SFT: {recipe.dialogue_epochs} epochs without the system prompt ({_tokens(short) / 1e6:.2f} M tokens each), "
+        f"then {recipe.full_epochs} on the full sequences ({_tokens(demos) / 1e6:.2f} M tokens each); the time left "
+        "is estimated after each epoch")
     with torch.random.fork_rng(devices=[]), tied_class_gradients(model, vocab):  # the caller's RNG untouched
         torch.manual_seed(seed)
         copy_pretrain(model, copy_task, steps=recipe.copy_steps, lr=recipe.copy_lr,
                       batch_size=recipe.copy_batch_size, log=log)
-        dialogue = sft(model, [without_system_prompt(d, turn_start) for d in demos], pad_id=pad, seed=seed,
-                       augment=swap, extra_loss=copy_task.loss, log=log, epochs=recipe.dialogue_epochs,
-                       lr=recipe.dialogue_lr, batch_size=recipe.batch_size)
-        full = sft(model, demos, pad_id=pad, seed=seed, augment=swap, log=log, epochs=recipe.full_epochs,
-                   lr=recipe.full_lr, batch_size=recipe.batch_size)
+        dialogue = sft(model, short, pad_id=pad, seed=seed, augment=swap, extra_loss=copy_task.loss,
+                       log=progress.phase("dialogue"), epochs=recipe.dialogue_epochs, lr=recipe.dialogue_lr,
+                       batch_size=recipe.batch_size)
+        full = sft(model, demos, pad_id=pad, seed=seed, augment=swap, log=progress.phase("full"),
+                   epochs=recipe.full_epochs, lr=recipe.full_lr, batch_size=recipe.batch_size)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     losses: list[float | None] = [*dialogue, *full] or [None]
