@@ -119,3 +119,19 @@ def make_learner(model, cfg, ref_model=None):
     from tether.learner.learner import Learner
 
     return Learner(model, ref_model, **learner_args(cfg))
+
+
+@pytest.fixture
+def cli_run_args(tmp_path, tiny_model):
+    """``cli_run_args(steps)``: the config arguments of a ``tether train`` of SMALL_RUN on the tiny model that saves
+    every step (``[FILE, "--set", "model.path=…"]``), for the CLI's crash, resume and failure tests."""
+
+    def make(steps: int) -> list[str]:
+        path = tmp_path / "cfg.yaml"
+        path.write_text(SMALL_RUN + f"""
+trainer: {{total_steps: {steps}, eval_every: 0, save_every: 1, seed: 3, trigger_parameter_sync_step: 1, eval_tasks: 2}}
+engine: {{max_tokens: 8, temperature: 1.0}}
+""")
+        return [str(path), "--set", f"model.path={tiny_model}"]
+
+    return make

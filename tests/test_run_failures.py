@@ -14,22 +14,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import SMALL_RUN, read_rows
+from conftest import read_rows
 from tether.cli import app
 from tether.learner.checkpoint import latest_checkpoint
 from tether.pipeline import trainer
 
-RUN = SMALL_RUN + """
-trainer: {total_steps: 4, eval_every: 0, save_every: 1, seed: 3, trigger_parameter_sync_step: 1, eval_tasks: 2}
-engine: {max_tokens: 8, temperature: 1.0}
-"""
-
 
 @pytest.fixture
-def cfg(tmp_path, tiny_model):
-    path = tmp_path / "cfg.yaml"
-    path.write_text(RUN)
-    return [str(path), "--set", f"model.path={tiny_model}"]
+def cfg(cli_run_args):
+    return cli_run_args(4)
 
 
 def invoke(*args: str):
