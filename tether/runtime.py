@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from tether.env.customer_service import example_texts
 from tether.env.plugin.registry import resolve as resolve_environment
 from tether.learner.model import ensure_tiny, load_model_and_tokenizer
 from tether.llm import LLMClient
+from tether.locks import lock_file, unlock_file
 from tether.reward.loop import RewardLoop
 from tether.types import Task
 from tether.warmstart.tiny_sft import build_tiny_sft, cache_key
@@ -56,13 +56,13 @@ def cached_build(target: Path, build: Callable[[Path], Any], *, what: str, note:
     renamed into place when complete. Nothing is left behind but the preset: a failed, refused or interrupted
     build (SIGTERM / SIGINT on the main thread: the temporary folder is removed, then the signal's exit code,
     143 / 130) removes its temporary folder, and the lock file goes when its holder is done (a waiter that had
-    opened it locks the file that is there then: see ``_lock_file``)."""
+    opened it locks the file that is there then: ``tether.locks``)."""
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f"{target.name}.lock"
-    fd = _lock_file(lock_path, lambda: log(f"waiting for another process that is building the {what} preset into "
-                                           f"{target}"))
+    fd = lock_file(lock_path, on_wait=lambda: log(f"waiting for another process that is building the {what} preset "
+                                                  f"into {target}"))
     try:
         if (target / "config.json").is_file():
             return str(target)
@@ -77,32 +77,8 @@ def cached_build(target: Path, build: Callable[[Path], Any], *, what: str, note:
             shutil.rmtree(tmp, ignore_errors=True)
         log(f"built {what} preset in {time.perf_counter() - t0:.0f} s, cached at {target}")
     finally:
-        lock_path.unlink(missing_ok=True)  # before the lock goes: a newcomer then makes (and locks) a new file
-        os.close(fd)
+        unlock_file(fd, lock_path)  # the file goes with its holder: a newcomer makes (and locks) a new one
     return str(target)
-
-
-def _lock_file(path: Path, on_wait: Callable[[], object]) -> int:
-    """An exclusive ``flock`` on ``path`` (created if missing), waiting for the holder; returns the descriptor. The
-    holder removes the file when it is done, so a waiter that opened it before that locks a file no longer at
-    ``path``: then it locks the file that is there now (as ``tether.pipeline.run_lock`` does)."""
-    waited = False
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not waited:
-                on_wait()
-                waited = True
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
 
 
 @contextlib.contextmanager

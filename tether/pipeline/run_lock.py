@@ -8,8 +8,8 @@ the lock owns the directory, and a second run is refused only while the holder l
 time written into the file serve the refusal's message and nothing else: a dead PID never blocks (and a PID on
 another host could not be checked anyway).
 
-A clean release removes the file. A process that opened the file just before it was removed would lock a file
-that is no longer the directory's, so the lock is retried until the locked file is the one at ``RUN/.lock``.
+A clean release removes the file; a process that opened it just before locks the file there then
+(``tether.locks``).
 
 Limits: ``flock`` holds on local file systems and on NFSv4 (Linux emulates it with byte-range locks); where the
 file system refuses locks the run goes on unlocked with a warning. The descriptor is close-on-exec, so programs a
@@ -19,12 +19,13 @@ run starts (tools, servers) do not inherit the lock; a child made by a bare ``fo
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
+
+from tether.locks import lock_file, unlock_file
 
 LOCK_FILE = ".lock"
 
@@ -55,26 +56,18 @@ class RunLock:
         missing = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._created = missing
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
-                raise RunDirInUse(f"--run-dir {self.run_dir} is in use by another run ({holder}, {self.path}); "
-                                  "wait for it to end or stop it, or choose another --run-dir (nothing was written)"
-                                  ) from None
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                self.warning = (f"the file system of {self.run_dir} does not support locks ({e.strerror}): nothing "
-                                "stops a second run from writing into this directory at the same time")
-                return self
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)  # the holder removed the file as it finished: lock the file that is there now
+        try:
+            fd = lock_file(self.path)
+        except BlockingIOError:
+            raise RunDirInUse(f"--run-dir {self.run_dir} is in use by another run ({_holder(self.path)}, "
+                              f"{self.path}); wait for it to end or stop it, or choose another --run-dir (nothing "
+                              "was written)") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            self.warning = (f"the file system of {self.run_dir} does not support locks ({e.strerror}): nothing "
+                            "stops a second run from writing into this directory at the same time")
+            return self
         self._fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -86,12 +79,7 @@ class RunLock:
         made, where they are empty (a run refused before it wrote anything leaves nothing behind)."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
-                if _same_file(fd, self.path):
-                    self.path.unlink()  # before unlocking: a waiter then finds the file gone and retries
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+            unlock_file(fd, self.path)
         for folder in self._created if remove_created else ():
             try:
                 folder.rmdir()
@@ -100,21 +88,13 @@ class RunLock:
         self._created = []
 
 
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        here, there = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
-
-
-def _holder(fd: int) -> str:
+def _holder(path: Path) -> str:
     """The holder as its lock file names it: "PID 123 on host h since …" (retried briefly: the holder writes it
     just after taking the lock)."""
     for _ in range(20):
         try:
-            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", errors="replace"))
+            info = json.loads(path.read_text(encoding="utf-8", errors="replace"))
             return f"PID {info['pid']} on host {info['host']}, since {info['since']}"
-        except (ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             time.sleep(0.05)
     return "a process that did not write its PID and host"
