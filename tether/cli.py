@@ -2,18 +2,16 @@
 
 No traceback reaches the terminal. Bad input (a config error, a missing key variable) exits with code 2 and a
 one-paragraph message on stderr; a failed training run exits 1 with what failed, its last complete checkpoint and
-the command that resumes it, the traceback in ``RUN/train.log`` (``_run_failed``); any other exception a command
-does not catch exits 1 with one line naming the file that holds its traceback (``tether.cli_common.Group``).
+the command that resumes it, the traceback in ``RUN/train.log`` (``cli_common.run_failed``); any other exception a
+command does not catch exits 1 with one line naming the file that holds its traceback (``tether.cli_common.Group``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,9 +31,10 @@ from tether.cli_common import (
     check_run_dir,
     check_weights,
     fail,
-    is_bad_input,
     load_or_exit,
-    save_traceback,
+    resume_command,
+    run_failed,
+    stamp,
 )
 from tether.config import ConfigError
 from tether.config.explain import explain as explain_key
@@ -47,8 +46,6 @@ from tether.pipeline.evaluate import eval_metrics, evaluate
 from tether.pipeline.preemption import Preempted
 from tether.pipeline.progress import Progress
 from tether.pipeline.rollouter import Rollouter
-from tether.pipeline.run_lock import RunDirInUse
-from tether.secrets import looks_secret, redacted
 from tether.verify.cli import verify_app
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
 
@@ -110,17 +107,6 @@ def config(
         typer.echo(text, nl=False)
 
 
-def _resume_command(files: list[Path], overrides: list[str] | None, run_dir: Path) -> str:
-    shown = []
-    for o in overrides or ():
-        key, _, value = o.partition("=")
-        if looks_secret(key) and redacted(value) != value:  # a literal secret is never echoed; a ${VAR} may be
-            o = f"{key}=…"
-        shown.append(o)
-    return " ".join(["tether train", *(shlex.quote(str(f)) for f in files), *(f"--set {shlex.quote(o)}" for o in shown),
-                     f"--run-dir {shlex.quote(str(run_dir))}", "--resume"])
-
-
 @app.command()
 def train(
     files: Files,
@@ -155,7 +141,7 @@ def train(
     check_run_dir(run_dir)
     if cfg.model.path:
         check_weights(Path(cfg.model.path))
-    recorded = _stamp(run_dir / "config.yaml")  # the run rewrites it once past its checks of the run directory
+    recorded = stamp(run_dir / "config.yaml")  # the run rewrites it once past its checks of the run directory
     try:
         if resume:  # a corrupt latest checkpoint: one line naming the complete one before it (before Ray starts)
             resumable_checkpoint(run_dir)
@@ -164,51 +150,15 @@ def train(
         hint = ("change the keys the warnings above name, then resume with (adding --allow-config-change KEY for "
                 "each changed key)") if isinstance(e, monitors.MonitorStop) else "resume with"
         Console(stderr=True, soft_wrap=True).print(
-            f"{escape(str(e))}\n{hint}: {escape(_resume_command(files, set_, run_dir))}", highlight=False)
+            f"{escape(str(e))}\n{hint}: {escape(resume_command(files, set_, run_dir))}", highlight=False)
         raise typer.Exit(e.exit_code) from None
     except Exception as e:  # noqa: BLE001 — any failure of the run: a few lines here, the traceback in train.log
-        now = _stamp(run_dir / "config.yaml")
-        raise _run_failed(e, _resume_command(files, set_, run_dir), run_dir, latest_checkpoint(run_dir),
+        now = stamp(run_dir / "config.yaml")
+        raise run_failed(e, resume_command(files, set_, run_dir), run_dir, latest_checkpoint(run_dir),
                           wrote=now is not None and now != recorded, fresh=recorded is None) from None
     after = result.eval_after.get("eval/success_rate")
     typer.echo(f"run directory: {result.run_dir}" + (f"  (held-out success {after:.2%})" if after is not None else ""))
     _print_report(result.run_dir)
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns
-
-
-def _run_failed(error: Exception, resume: str, run_dir: Path, last: Path | None, *, wrote: bool,
-                fresh: bool) -> typer.Exit:
-    """How a failed run ends. Bad input (a ConfigError, a ValueError, a missing key variable) exits 2 with its one
-    line, and a refusal before the run wrote anything writes nothing; once the run has written (``wrote``: its
-    config.yaml), its traceback is appended to RUN/train.log, and a run this call started (``fresh``) gets the
-    command that resumes it. Any other failure (an endpoint lost, a full disk, every episode failing, a bug) exits 1
-    with ``error: <Type>: <message>``, the last complete checkpoint and the resume command, its traceback in
-    RUN/train.log (or, with no run directory or a full disk, a file in the temp folder that the first line names).
-    A run refused because another holds the directory writes nothing there. No traceback reaches the terminal."""
-    log = run_dir / "train.log" if run_dir.is_dir() else None
-    if isinstance(error, RunDirInUse):  # the directory and its train.log are another live run's: write nothing
-        return fail(str(error))
-    if is_bad_input(error):
-        if wrote:
-            save_traceback(error, log, "the run failed")
-        return fail(str(error) + (f"\n{run_dir} holds this run now: after the fix, resume with: {resume}"
-                                  if wrote and fresh else ""))
-    where = save_traceback(error, log, "the run failed")
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # the last complete checkpoint stands
-        said = f"no space left on the device of {run_dir} ({error.filename or 'while writing'}); free space"
-    else:
-        said = f"{type(error).__name__}: {error}"
-    said += f" (traceback: {where or 'not saved: nowhere to write it'})"
-    if not (run_dir / "config.yaml").is_file():  # failed before the run wrote anything: nothing to resume
-        return fail(said, code=1)
-    return fail(f"{said}\nlast complete checkpoint: {last or 'none'}\nresume with: {resume}", code=1)
 
 
 def _print_report(run_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """What every command of the ``tether`` CLI shares (``cli.py`` and ``verify/cli.py`` both import it): the option
-types, the error exit, loading the configs, the checks of a checkpoint folder and a run directory, and the last
-resort for an exception no command caught (``Group``).
+types, the error exit, loading the configs, the checks of a checkpoint folder and a run directory, how a failed
+training run ends (``run_failed``, ``resume_command``), and the last resort for an exception no command caught
+(``Group``).
 
 No traceback reaches the terminal. Bad input exits with code 2 and a one-paragraph message on stderr (``fail``);
 any other failure exits 1 with one line ``error: <Type>: <message>`` and its traceback written to a file: a run's
@@ -10,7 +11,9 @@ names. Light on purpose: ``tether --help`` imports this (no torch, no transforme
 
 from __future__ import annotations
 
+import errno
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +30,8 @@ from tether.config.io import parse_override, read_yaml
 from tether.env.plugin.registry import search_beside
 from tether.llm.errors import LLMError
 from tether.pipeline.progress import log_failure
+from tether.pipeline.run_lock import RunDirInUse
+from tether.secrets import looks_secret, redacted
 
 Files = Annotated[list[Path], typer.Argument(help="YAML config files, merged in order (later wins).")]
 Overrides = Annotated[
@@ -71,6 +76,55 @@ def crash(error: BaseException) -> typer.Exit:
     where = save_traceback(error)
     return fail(f"{type(error).__name__}: {error} (traceback: {where or 'not saved: the temp folder is not writable'})",
                 code=1)
+
+
+def resume_command(files: list[Path], overrides: list[str] | None, run_dir: Path) -> str:
+    """The ``tether train … --resume`` that continues ``run_dir`` (a literal secret among the overrides shown as …)."""
+    shown = []
+    for o in overrides or ():
+        key, _, value = o.partition("=")
+        if looks_secret(key) and redacted(value) != value:  # a literal secret is never echoed; a ${VAR} may be
+            o = f"{key}=…"
+        shown.append(o)
+    return " ".join(["tether train", *(shlex.quote(str(f)) for f in files), *(f"--set {shlex.quote(o)}" for o in shown),
+                     f"--run-dir {shlex.quote(str(run_dir))}", "--resume"])
+
+
+def stamp(path: Path) -> tuple[int, int] | None:
+    """``path``'s inode and mtime (None: absent): whether a run rewrote its config.yaml."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def run_failed(error: Exception, resume: str, run_dir: Path, last: Path | None, *, wrote: bool,
+                fresh: bool) -> typer.Exit:
+    """How a failed run ends. Bad input (a ConfigError, a ValueError, a missing key variable) exits 2 with its one
+    line, and a refusal before the run wrote anything writes nothing; once the run has written (``wrote``: its
+    config.yaml), its traceback is appended to RUN/train.log, and a run this call started (``fresh``) gets the
+    command that resumes it. Any other failure (an endpoint lost, a full disk, every episode failing, a bug) exits 1
+    with ``error: <Type>: <message>``, the last complete checkpoint and the resume command, its traceback in
+    RUN/train.log (or, with no run directory or a full disk, a file in the temp folder that the first line names).
+    A run refused because another holds the directory writes nothing there. No traceback reaches the terminal."""
+    log = run_dir / "train.log" if run_dir.is_dir() else None
+    if isinstance(error, RunDirInUse):  # the directory and its train.log are another live run's: write nothing
+        return fail(str(error))
+    if is_bad_input(error):
+        if wrote:
+            save_traceback(error, log, "the run failed")
+        return fail(str(error) + (f"\n{run_dir} holds this run now: after the fix, resume with: {resume}"
+                                  if wrote and fresh else ""))
+    where = save_traceback(error, log, "the run failed")
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # the last complete checkpoint stands
+        said = f"no space left on the device of {run_dir} ({error.filename or 'while writing'}); free space"
+    else:
+        said = f"{type(error).__name__}: {error}"
+    said += f" (traceback: {where or 'not saved: nowhere to write it'})"
+    if not (run_dir / "config.yaml").is_file():  # failed before the run wrote anything: nothing to resume
+        return fail(said, code=1)
+    return fail(f"{said}\nlast complete checkpoint: {last or 'none'}\nresume with: {resume}", code=1)
 
 
 class Group(TyperGroup):
