@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from conftest import read_rows
 from tether.cli import app
 from tether.learner.checkpoint import latest_checkpoint
-from tether.pipeline.build import RunDirError, _resume_jsonl
+from tether.pipeline.resume import resume_jsonl as _resume_jsonl
+from tether.pipeline.run_lock import RunDirError
 
 
 @pytest.fixture

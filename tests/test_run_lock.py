@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO, SMALL_RUN, read_rows
 from tether.cli import app
-from tether.pipeline.build import RunDirError
-from tether.pipeline.run_lock import LOCK_FILE, RunLock
+from tether.pipeline.run_lock import LOCK_FILE, RunDirError, RunLock
 
 RUN = SMALL_RUN + """
 trainer: {total_steps: 2, eval_every: 0, save_every: 1, seed: 3, trigger_parameter_sync_step: 1, eval_tasks: 2}
