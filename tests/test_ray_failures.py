@@ -36,8 +36,10 @@ def test_killing_the_rollout_actor_mid_run_requeues_its_groups_and_trains_each_o
     from tether.distributed.ray_backend import train_on_ray
 
     run_dir = tmp_path / "run"
+    # engine.max_tokens 48: a group call lasts several times the stats → kill round trip, so the calls seen in flight
+    # are still in flight when the kill lands (at 12 tokens, on a loaded machine, they could finish first)
     cfg = _cfg(tmp_path, tiny_model, "rollout.mode=fully_async", "trainer.total_steps=4", "trainer.save_every=4",
-               "ray.weight_bucket_mb=0.1")  # 0.54 MiB of weights: several buckets (1 at the default 256 MiB)
+               "ray.weight_bucket_mb=0.1", "engine.max_tokens=48")  # 0.54 MiB of weights: several buckets
     actors: dict = {}
     killed: dict = {}
 
