@@ -16,6 +16,7 @@ from tether.agent.chat import ChatAssembler
 from tether.agent.loop import LoopLimits
 from tether.config import load_config
 from tether.env.customer_service import CustomerServiceEnv, example_texts
+from tether.env.customer_service.tasks import generate
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.warmstart import tiny_sft
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
@@ -170,10 +171,31 @@ def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, cap
     assert info["demonstrations"] == 6 and info["recipe"]["copy_steps"] == 2
     assert runtime.model_path(cfg) == path and "build" not in capsys.readouterr().err  # cached: no second build
     assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 64
-    other = load_config([], ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4",
-                             "trainer.seed=1"])
-    assert tiny_sft.cache_key(other) != tiny_sft.cache_key(cfg)
     assert tiny_sft.cache_key(cfg, SMALL) == tiny_sft.cache_key(cfg) != tiny_sft.cache_key(cfg, tiny_sft.Recipe())
+
+
+@pytest.mark.parametrize(("override", "rebuilds"), [
+    ("trainer.seed=1", False),  # RL's seed: the preset has its own (Recipe.seed)
+    ("environment.num_eval_tasks=8", False),  # a prefix of the world's 64 held-out tasks
+    ("environment.num_eval_tasks=64", False),
+    ("environment.verifier.anti_hacking.enabled=false", False),  # the expert's demonstrations are the same
+    ("engine.temperature=1.0", False),  # sampling: RL's, not the build's
+    ("environment.num_eval_tasks=65", True),  # a 65th held-out task's order joins the world (and its entity token)
+    ("environment.num_train_tasks=11", True),
+    ("environment.seed=1", True),
+    ("agent_loop.max_assistant_turns=4", True),
+    ("tool_parser.name=pythonic", True),
+])
+def test_the_preset_is_keyed_on_what_its_weights_depend_on(override, rebuilds):
+    base = ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4"]
+    key = tiny_sft.cache_key(load_config([], base))
+    assert (tiny_sft.cache_key(load_config([], [*base, override])) != key) == rebuilds
+
+
+def test_fewer_held_out_tasks_leave_the_world_and_the_train_split_as_they_are():
+    small, full = generate(0, 20, 8), generate(0, 20, 64)
+    assert small.image == full.image and small.train == full.train and small.eval == full.eval[:8]
+    assert generate(0, 20, 65).eval[:64] == full.eval and generate(0, 20, 65).image != full.image
 
 
 def test_the_preset_build_says_how_long_it_has_left_after_each_epoch():
@@ -195,3 +217,29 @@ def test_the_preset_build_says_how_long_it_has_left_after_each_epoch():
                      "sft epoch n/3: nll/token 1.0 — about 9 min of the build left",  # 60 + 480 s
                      "sft epoch n/3: nll/token 1.0 — about 8 min of the build left",  # 480 s
                      "sft epoch 1/2: nll/token 0.5 — about 5 min of the build left"]  # 300 s
+
+
+def test_a_second_run_with_fewer_held_out_tasks_reuses_the_cached_preset(tmp_path, monkeypatch):
+    """From an empty cache: `tether train examples/customer_service/config.yaml` builds the tiny-sft preset once; the
+    same command with `--set environment.num_eval_tasks=8` (or another trainer.seed) trains from it without a build."""
+    from typer.testing import CliRunner
+
+    from tether.cli import app
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TETHER_CACHE", str(cache))
+    monkeypatch.setattr(tiny_sft, "RECIPE", SMALL)
+    quick = ["--set", "trainer.total_steps=1", "--set", "trainer.eval_tasks=4", "--set", "engine.max_tokens=16"]
+
+    def train(run: str, *extra: str) -> str:
+        result = CliRunner().invoke(app, ["train", "examples/customer_service/config.yaml", "--run-dir",
+                                          str(tmp_path / run), *quick, *extra], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "building the tiny-sft preset" in train("first")
+    presets = sorted(p.name for p in cache.iterdir())
+    for run, extra in [("fewer_eval", ["--set", "environment.num_eval_tasks=8"]),
+                       ("seed", ["--set", "trainer.seed=1"])]:
+        assert "building the tiny-sft preset" not in train(run, *extra)
+        assert sorted(p.name for p in cache.iterdir()) == presets

@@ -32,6 +32,7 @@ import torch
 from tether.agent.loop import LoopLimits
 from tether.config import RunConfig
 from tether.env.customer_service import CustomerServiceEnv, example_texts
+from tether.env.customer_service.tasks import world_eval_tasks
 from tether.learner.model import BUILD_VERSION, TINY_DEFAULTS, TINY_VOCAB_SIZE, build_tiny, load_model_and_tokenizer
 from tether.learner.sft import sft
 from tether.learner.tiny import CHAT_TEMPLATE, IM_START
@@ -68,6 +69,7 @@ class Recipe:
     batch_size: int = 8
     mistake_rate: float = 0.6
     max_train_tasks: int | None = None  # demonstrations of the first N train tasks (None: all)
+    seed: int = 0  # the build's seed (model init, expert mistakes, SFT order); RL's is trainer.seed
 
 
 RECIPE = Recipe()
@@ -141,23 +143,28 @@ def _check_environment(cfg: RunConfig) -> None:
 
 
 def cache_key(cfg: RunConfig, recipe: Recipe | None = None) -> str:
-    """A short hash of everything the build depends on: the recipe (default ``RECIPE``), the environment
-    section (tasks, world, tools), the agent-loop limits and parser, the seed, and the code versions."""
+    """A short hash of what the preset's weights depend on: the recipe (default ``RECIPE``, its seed included), the
+    code versions, the world and the train tasks (the environment section, ``num_eval_tasks`` counted only where it
+    grows the world: ``world_eval_tasks``), the verifier left out (the demonstrations are the expert's whatever it
+    scores), the agent loop's limits and the tool parser. ``trainer.seed`` is not in it: it seeds RL, not the
+    preset."""
     recipe = recipe or RECIPE
+    env = cfg.redacted_dict()["environment"]
+    env.pop("verifier", None)
+    env["num_eval_tasks"] = world_eval_tasks(cfg.environment.num_eval_tasks)
+    limits = LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window)
     key = json.dumps([BUILD_VERSION, _RECIPE_VERSION, CHAT_TEMPLATE, TINY_DEFAULTS, TINY_VOCAB_SIZE,
-                      asdict(recipe), cfg.trainer.seed,
-                      cfg.redacted_dict()["environment"], cfg.redacted_dict()["agent_loop"], cfg.tool_parser.name],
-                     sort_keys=True, default=str)
+                      asdict(recipe), env, asdict(limits), cfg.tool_parser.name], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, recipe: Recipe | None = None,
                    log: Callable[[str], None] = print) -> Path:
     """Build the tiny model and fine-tune it on imperfect demonstrations into ``out`` (an HF folder); the
-    seed defaults to ``trainer.seed``, the recipe to ``RECIPE``."""
+    recipe defaults to ``RECIPE``, the seed to the recipe's (the demo passes one per RL seed)."""
     _check_environment(cfg)
     recipe = recipe or RECIPE
-    seed = cfg.trainer.seed if seed is None else seed
+    seed = recipe.seed if seed is None else seed
     out = Path(out)
     t0 = time.perf_counter()
     names = world_entities(cfg)

@@ -62,6 +62,7 @@ _LAST = ("Lee", "Diaz", "Kim", "Novak", "Shah", "Berg")
 _COLORS = ("red", "blue", "green", "black", "white", "grey", "gold", "pink", "teal", "navy")
 _ITEMS = ("kettle", "lamp", "mug", "chair", "desk", "fan", "clock", "rug", "jacket", "backpack")
 N_CUSTOMERS, N_SKUS, FIRST_SKU = 60, 100, 100
+EVAL_POOL = 64  # held-out tasks whose orders are always in the world: num_eval_tasks <= 64 takes a prefix of them
 
 
 @dataclass(frozen=True)
@@ -165,16 +166,26 @@ def _split(split: str, n: int, seed: int, customers: list[tuple], skus: list[tup
 
 @functools.lru_cache(maxsize=8)
 def generate(seed: int = 0, num_train: int = 256, num_eval: int = 64) -> Bundle:
-    """The world image and both task splits; cached, so every env of a run shares one base world."""
+    """The world image and both task splits; cached, so every env of a run shares one base world.
+
+    The world holds the orders of ``max(num_eval, EVAL_POOL)`` held-out tasks and the held-out split is the first
+    ``num_eval`` of them, so evaluating on fewer tasks changes neither the world nor the train split (nor the
+    ``tiny-sft`` preset built on them)."""
     customers, skus = _catalog(seed)
     orders: list[tuple] = []
     used_ids: set[int] = set()
     used_pairs: set[tuple[str, str]] = set()
-    eval_tasks = _split("eval", num_eval, seed, customers, skus, orders, used_ids, used_pairs)
+    pool = _split("eval", world_eval_tasks(num_eval), seed, customers, skus, orders, used_ids, used_pairs)
+    eval_tasks = pool[:num_eval]
     train_tasks = _split("train", num_train, seed, customers, skus, orders, used_ids, used_pairs)
     image = new_base(customers, skus, orders)
     by_id = {t.id: t for t in (*train_tasks, *eval_tasks)}
     return Bundle(image, tuple(train_tasks), tuple(eval_tasks), by_id)
+
+
+def world_eval_tasks(num_eval: int) -> int:
+    """How many held-out tasks' orders the world of ``num_eval`` held-out tasks holds (``generate``)."""
+    return max(num_eval, EVAL_POOL)
 
 
 def scenario_key(task: Task) -> tuple[str, str | None, str]:
