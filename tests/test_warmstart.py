@@ -179,7 +179,9 @@ def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, cap
     ("environment.num_eval_tasks=8", False),  # a prefix of the world's 64 held-out tasks
     ("environment.num_eval_tasks=64", False),
     ("environment.verifier.anti_hacking.enabled=false", False),  # the expert's demonstrations are the same
-    ("engine.temperature=1.0", False),  # sampling: RL's, not the build's
+    ("engine.temperature=1.0", False),
+    ("environment.state.max_turns=10", False),  # the loop's reach (5 turns × 2 calls): 20 ends no episode either
+    ("environment.state.max_turns=9", True),  # sampling: RL's, not the build's
     ("environment.num_eval_tasks=65", True),  # a 65th held-out task's order joins the world (and its entity token)
     ("environment.num_train_tasks=11", True),
     ("environment.seed=1", True),

@@ -31,6 +31,7 @@ import torch
 
 from tether.agent.loop import LoopLimits
 from tether.config import RunConfig
+from tether.config.plan import max_env_steps
 from tether.env.customer_service import CustomerServiceEnv, example_texts
 from tether.env.customer_service.tasks import world_eval_tasks
 from tether.learner.model import BUILD_VERSION, TINY_DEFAULTS, TINY_VOCAB_SIZE, build_tiny, load_model_and_tokenizer
@@ -144,14 +145,16 @@ def _check_environment(cfg: RunConfig) -> None:
 
 def cache_key(cfg: RunConfig, recipe: Recipe | None = None) -> str:
     """A short hash of what the preset's weights depend on: the recipe (default ``RECIPE``, its seed included), the
-    code versions, the world and the train tasks (the environment section, ``num_eval_tasks`` counted only where it
-    grows the world: ``world_eval_tasks``), the verifier left out (the demonstrations are the expert's whatever it
-    scores), the agent loop's limits and the tool parser. ``trainer.seed`` is not in it: it seeds RL, not the
-    preset."""
+    code versions, the world and the train tasks (the environment section; ``num_eval_tasks`` only where it grows
+    the world, ``world_eval_tasks``; ``state.max_turns`` only up to what the agent loop can reach), the agent
+    loop's limits and the tool parser. Not in it: the verifier (the demonstrations are the expert's whatever it
+    scores) and ``trainer.seed`` (it seeds RL, not the preset)."""
     recipe = recipe or RECIPE
     env = cfg.redacted_dict()["environment"]
     env.pop("verifier", None)
     env["num_eval_tasks"] = world_eval_tasks(cfg.environment.num_eval_tasks)
+    reach = max_env_steps(cfg.agent_loop.max_assistant_turns, cfg.agent_loop.max_parallel_calls)
+    env["state"]["max_turns"] = min(cfg.environment.state.max_turns, reach)  # past the loop's reach: all the same
     limits = LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window)
     key = json.dumps([BUILD_VERSION, _RECIPE_VERSION, CHAT_TEMPLATE, TINY_DEFAULTS, TINY_VOCAB_SIZE,
                       asdict(recipe), env, asdict(limits), cfg.tool_parser.name], sort_keys=True, default=str)
