@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test lint install bench figures clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+
+# README.md's measured table, every row re-measured on this commit (an hour or more; ARGS="--only NAME" for some)
+figures: $(STAMP)
+	$(BIN)/python benchmarks/figures.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,167 @@
+"""``benchmarks/figures.py`` (``make figures``): a fake registry of one-line ``python -c`` commands in a throwaway
+git repository, and parsers of real benchmarks against their printed output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("figures", REPO / "benchmarks" / "figures.py")
+assert spec is not None and spec.loader is not None
+figures = importlib.util.module_from_spec(spec)
+sys.modules["figures"] = figures  # dataclasses resolve the module by name
+spec.loader.exec_module(figures)
+
+HEAD_TEXT = "# a project\n\nprose the script must not touch: ü, `code`, | pipes |\n\n## Measured\n\n"
+TAIL_TEXT = "\n\nmore prose after the table, no newline at the end"
+README = f"{HEAD_TEXT}{figures.BEGIN}\n| old | table |\n{figures.END}{TAIL_TEXT}"
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def commit(root: Path, files: dict[str, str], message: str) -> str:
+    for name, text in files.items():
+        (root / name).write_text(text, encoding="utf-8")
+    git(root, "add", *files)
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", message)
+    return git(root, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A repository with README.md and code.py committed twice (the code changed): (root, first sha, HEAD sha)."""
+    git(tmp_path, "init", "-q")
+    first = commit(tmp_path, {"README.md": README, "code.py": "a = 1\n"}, "first")
+    head = commit(tmp_path, {"code.py": "a = 2\n"}, "the code changes")
+    (tmp_path / "benchmarks").mkdir()
+    return tmp_path, first, head
+
+
+def fake(name: str, value: str) -> Any:  # a figures.Figure (the module is loaded from its path)
+    return figures.Figure(name, f"what {name} measures", f"python -c 'print(\"value: {value}\")'",
+                          lambda out: figures.find(r"^value: (.+)$", out, "value").group(1), 0.01)
+
+
+def stored_row(sha: str, value: str, changes: str = "") -> dict:
+    return {"commit": sha, "changes": changes, "command": "python -c …", "figure": value, "block": None,
+            "load_before": [0.5, 0.4, 0.3], "load_after": [0.6, 0.4, 0.3], "wall_s": 1.0, "date": "2024-01-02",
+            "machine": "2 cores (a CPU)", "output_tail": f"value: {value}\n"}
+
+
+def run(root: Path, registry: list, *argv: str) -> tuple[int, str]:
+    rc = figures.main([*argv, "--readme", str(root / "README.md"), "--store", str(root / figures.STORE)],
+                      registry=registry, root=root)
+    return rc, (root / "README.md").read_text(encoding="utf-8")
+
+
+def test_only_the_marked_section_is_rewritten_with_the_commit_and_the_load(repo):
+    root, first, head = repo
+    (root / figures.STORE).write_text(json.dumps({"kept": stored_row(head, "kept figure 7"),
+                                                  "stale": stored_row(first, "stale figure 9")}))
+    registry = [fake("fresh", "41.5 %"), fake("kept", "unused"), fake("stale", "unused")]
+    rc, text = run(root, registry, "--only", "fresh")
+    assert rc == 0
+    assert text.startswith(HEAD_TEXT + figures.BEGIN + "\n") and text.endswith(figures.END + TAIL_TEXT)
+    body = text[len(HEAD_TEXT) + len(figures.BEGIN):-len(figures.END + TAIL_TEXT)]
+    assert f"Measured on commit {head[:7]}, " in body and "uncommitted" not in body and "| old |" not in body
+    header = body.split("\n")[1]
+    assert "2 cores (a CPU)" in header and re.search(r"\d+ cores \((?!a CPU).+\)", header)  # the kept row's, this
+    fresh = next(line for line in body.splitlines() if line.startswith("| what fresh"))
+    assert re.fullmatch(r"\| what fresh measures \| 41\.5 % \| `python -c 'print\(\"value: 41\.5 %\"\)'` \| "
+                        r"\d+\.\d\d → \d+\.\d\d, \d+ s \|", fresh), fresh
+    assert "| what kept measures | kept figure 7 |" in body and "0.50 → 0.60, 1 s" in body  # HEAD's row stays
+    assert "stale" not in body  # measured on the first commit: removed, not marked
+    stored = json.loads((root / figures.STORE).read_text())
+    assert set(stored) == {"fresh", "kept"} and stored["fresh"]["commit"] == head
+    assert stored["fresh"]["output_tail"] == "value: 41.5 %\n" and len(stored["fresh"]["load_before"]) == 3
+    assert git(root, "status", "--porcelain", "--", "code.py") == ""  # the code was not touched
+
+
+def test_committing_the_figures_keeps_them_and_changed_code_drops_them(repo):
+    root, _, head = repo
+    registry = [fake("one", "1"), fake("two", "2")]
+    assert run(root, registry)[0] == 0
+    commit(root, {"README.md": (root / "README.md").read_text(encoding="utf-8")}, "the figures")
+    rc, text = run(root, [fake("one", "1"), fake("two", "22")], "--only", "two")
+    assert rc == 0 and "| what one measures | 1 |" in text and "| 22 |" in text  # same code: row one stays
+    assert f"commit {git(root, 'rev-parse', 'HEAD')[:7]}," in text
+    (root / "code.py").write_text("a = 3\n")  # uncommitted code: every earlier row is of other code
+    rc, text = run(root, [fake("one", "1"), fake("two", "222")], "--only", "two")
+    assert rc == 0 and "+ uncommitted changes" in text and "| 222 |" in text and "what one" not in text
+
+
+def test_an_output_that_does_not_parse_is_not_written_and_exits_1(repo):
+    root, _, head = repo
+    (root / figures.STORE).write_text(json.dumps({"broken": stored_row(head, "earlier figure")}))
+    rc, text = run(root, [fake("ok", "5"), figures.Figure("broken", "w", "python -c 'print(1)'",
+                                                          lambda out: figures.find("^value", out, "value"), 0.01)])
+    assert rc == 1 and "| 5 |" in text and "earlier figure" not in text and "what broken" not in text
+
+
+def test_no_markers_is_an_error_that_names_them(repo):
+    root, _, _ = repo
+    (root / "README.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="figures:begin"):
+        run(root, [fake("one", "1")])
+
+
+# The printed block of `python benchmarks/async_vs_sync.py` in README.md (session 7's run).
+ASYNC_VS_SYNC = """\
+[train] step 8 ...
+workload: 8 steps x 32 trajectories, tools lognormal median 500 ms, sigma 1.2, cap 8 s; 2 threads
+sync stage times (median per step): rollout 8.78 s (slowest episode), train 2.15 s, engine busy 0.39 s, \
+mean episode 4.07 s
+mode                     wall s  samples/s  speed-up   ideal  of ideal
+sync                       83.1       3.08     1.00x   1.00x     100%
+one_step_off_policy        31.9       8.01     2.60x   4.30x      60%
+fully_async                20.9      12.23     3.97x   4.30x      92%
+speedup one_step_off_policy/sync = 2.60 (ideal 4.30)
+speedup fully_async/sync = 3.97 (ideal 4.30)
+"""
+
+
+def test_async_vs_sync_parser_reads_the_benchmarks_printed_table():
+    f = next(f for f in figures.REGISTRY if f.name == "async-vs-sync")
+    assert f.parse(ASYNC_VS_SYNC) == ("one_step_off_policy **2.60×** sync (ideal 4.30×, 60% of it); "
+                                      "fully_async **3.97×** sync (ideal 4.30×, 92% of it)")
+    assert f.block is not None
+    block = f.block(ASYNC_VS_SYNC)
+    assert block.startswith("workload: 8 steps") and block.endswith("(ideal 4.30)") and "[train]" not in block
+
+
+def test_pytest_summary_as_printed_by_xdist_and_by_a_plain_run():
+    xdist = "....\n953 passed, 2 skipped in 247.12s (0:04:07)\n"
+    assert figures.pytest_summary(xdist) == "953 passed, 2 skipped in 247 s"
+    out = "x\n========= 1 passed, 5 deselected in 3.40s =========\n"
+    assert figures.pytest_summary(out) == "1 passed in 3 s"
+    assert figures.printed_max_diff("max |engine logprob - forward logprob| over 64 trajectories: 9.52e-07\n" + out) \
+        == "max abs difference 9.5e-07 over 64 trajectories (1 passed in 3 s)"
+    assert figures.printed_max_diff("remote engine: max |behaviour logprob - teacher-forced logprob| = 4.80e-07 over "
+                                    "288 tokens\n" + out).startswith("max abs difference 4.8e-07 over 288 tokens")
+
+
+def test_demo_parser_counts_the_real_verify_optim_table(tmp_path):
+    """``tether verify optim`` run as the registry runs it, on a run whose step 3 has too large a gradient."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("policy_optimization: {kl_control: {max_kl: 0.05}}\n")
+    healthy = {"optim/raw_reward_std_within_group": 0.35, "optim/grad_norm": 0.8, "optim/kl_divergence": 0.004}
+    rows = [{"step": 0, "eval/success_rate": 0.3}] + [{"step": s, **healthy} for s in range(1, 5)]
+    rows[3]["optim/grad_norm"] = 40.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"seed": 0, "sft_success": 0.359, "rl_success": 0.812, "gain": 0.453, "total_s": 513.2}
+    out = f"[figures] summary {json.dumps(summary)}\n" + figures.execute(f"tether verify optim {run}")
+    assert figures.demo(out) == (
+        "held-out success after SFT → after RL, seed 0: 35.9% → 81.2% in 513 s; **mean gain +45.3 points**; "
+        "verify optim: optim/raw_reward_std_within_group > 0.1 on 4 of 4, optim/grad_norm in [0.1, 10] on 3 of 4, "
+        "optim/kl_divergence < max_kl = 0.05 on 4 of 4")
