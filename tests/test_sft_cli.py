@@ -80,3 +80,17 @@ def test_bad_input_exits_2_with_one_line(setup, args, message):
     assert result.exit_code == 2, result.output
     assert message.format(root=root) in result.stderr and result.stderr.strip().count("\n") == 0
     assert "Traceback" not in result.output and not (root / "never").exists()
+
+
+def test_the_slow_phases_are_announced_on_stderr(setup):
+    """Before the model loads, before the expert's demonstrations are replayed, and each epoch: progress on stderr;
+    stdout keeps the results (the expert's score, the demonstrations' size, the checkpoint written)."""
+    root, model, cfg = setup
+    result = sft(cfg, model, "--expert", "--epochs", "2", "--out", str(root / "phases"))
+    assert result.exit_code == 0, result.output
+    phases = ["building the environment customer_service_agent and loading the model…",
+              "replaying 6 expert demonstrations through the agent loop…", "sft epoch 1/2", "sft epoch 2/2"]
+    at = [result.stderr.find(p) for p in phases]
+    assert -1 not in at and at == sorted(at), result.stderr
+    assert not any(p[:20] in result.stdout for p in phases)
+    assert "6 demonstrations" in result.stdout and f"wrote {root / 'phases'}" in result.stdout

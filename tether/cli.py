@@ -34,6 +34,7 @@ from tether.cli_common import (
     load_or_exit,
     resume_command,
     run_failed,
+    say,
     stamp,
 )
 from tether.config import ConfigError
@@ -44,7 +45,7 @@ from tether.llm import BadRequest, LLMClient, LLMError, MalformedResponse
 from tether.llm.errors import display_url
 from tether.pipeline.evaluate import eval_metrics, evaluate
 from tether.pipeline.preemption import Preempted
-from tether.pipeline.progress import Progress
+from tether.pipeline.progress import sft_bar, show_eval
 from tether.pipeline.rollouter import Rollouter
 from tether.verify.cli import verify_app
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
@@ -84,8 +85,10 @@ def config(
         help="Describe KEY (e.g. policy_optimization.kl_control.horizon): what it does, "
              "unit, allowed values, default, its value in FILES, the seed config naming it.")] = None,
 ) -> None:
-    """Validate and merge config FILES, then print the resolved config as YAML (secrets redacted), with a
-    `# warning:` line for each value that cannot act within the run. --explain KEY describes one key instead."""
+    """Validate and merge config FILES and print the resolved YAML.
+
+    Secrets are redacted; a `# warning:` line names each value that cannot act within the run. --explain KEY
+    describes one key instead."""
     if explain is not None:
         try:
             typer.echo(explain_key(explain, files or (), set_ or ()))
@@ -119,16 +122,18 @@ def train(
                                       "the recorded config.yaml; repeat for several. metrics.jsonl or samples.jsonl: "
                                       "resume although that file lacks rows before the checkpoint (damage).")] = None,
 ) -> None:
-    """Train with the merged config FILES (e.g. an example config plus seed files).
+    """Train with the merged config FILES.
 
-    Exit codes: 0 done; 1 the run failed (what failed, the last complete checkpoint and the resume command are
-    printed, the traceback appended to RUN/train.log); 2 bad input (config, run directory, key variable); 3 stopped
-    by a monitor (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after
-    saving a checkpoint (resume with --resume).
+    FILES: e.g. an example config plus seed files.
+
+    Exit codes: 0 done; 1 the run failed (what failed, the last complete checkpoint and the resume command are printed,
+    the traceback appended to RUN/train.log); 2 bad input (config, run directory, key variable); 3 stopped by a monitor
+    (``monitors.on_fail: stop``) after saving a checkpoint; 130 / 143 stopped by SIGINT / SIGTERM after saving a
+    checkpoint (resume with --resume).
 
     One run per directory: a second run on a directory in use is refused (exit 2) naming the holder's PID and host.
-    --resume refuses a corrupt latest checkpoint, naming the complete one before it, and a metrics.jsonl /
-    samples.jsonl that lacks rows before the checkpoint unless --allow-config-change names the file."""
+    --resume refuses a corrupt latest checkpoint, naming the complete one before it, and a metrics.jsonl / samples.jsonl
+    that lacks rows before the checkpoint unless --allow-config-change names the file."""
     from tether.distributed import ray_backend  # noqa: PLC0415 — torch, transformers: not for --help
     from tether.learner.checkpoint import latest_checkpoint, resumable_checkpoint  # noqa: PLC0415 — as above
     from tether.pipeline import monitors, trainer  # noqa: PLC0415 — as above
@@ -190,8 +195,10 @@ def sft(
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW, warm-up then cosine).")] = 1e-4,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Demonstrations per update.")] = 8,
 ) -> None:
-    """Supervised warm start: fine-tune the config's model on demonstrations (the tokens the agent loop would
-    produce, mask-1 only), then write a Hugging Face checkpoint to train from (model.path)."""
+    """Supervised warm start: fine-tune the model on demonstrations.
+
+    Fine-tunes the config's model on the tokens the agent loop would produce (mask-1 only), then writes a Hugging Face
+    checkpoint to train from (model.path)."""
     import torch  # noqa: PLC0415 — torch, transformers: not for --help
 
     from tether.learner.model import load_model_and_tokenizer  # noqa: PLC0415 — as above
@@ -206,6 +213,7 @@ def sft(
     out = out or Path("runs") / time.strftime("sft-%Y%m%d-%H%M%S")
     try:
         conversations = read_conversations(demos) if demos else None  # a bad file fails before any model loads
+        say(f"building the environment {cfg.environment.name} and loading the model…")
         make_env, tasks = env_factory(cfg)
         model, tokenizer = load_model_and_tokenizer(model_path(cfg), cfg.model.dtype)
         if conversations is not None:
@@ -217,7 +225,9 @@ def sft(
             assert demos is not None  # the conversations were read from it
             trajs = jsonl_demos(demos, tokenizer, system_prompt=system, tools=tools, conversations=conversations)
         else:
-            trajs = expert_demos(cfg.environment.name, make_env, tasks("train"), tokenizer,
+            train_tasks = tasks("train")
+            say(f"replaying {len(train_tasks)} expert demonstrations through the agent loop…")
+            trajs = expert_demos(cfg.environment.name, make_env, train_tasks, tokenizer,
                                  limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window),
                                  parser=cfg.tool_parser.name, mistake_rate=mistake_rate, seed=cfg.trainer.seed)
             typer.echo(f"expert: {sum(t.success for t in trajs)}/{len(trajs)} train tasks solved")
@@ -228,8 +238,9 @@ def sft(
     typer.echo(f"{len(trajs)} demonstrations, {tokens} trained tokens; {epochs} epoch{plural} at lr {lr:g}")
     torch.manual_seed(cfg.trainer.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
-              log=typer.echo)
+    with sft_bar(epochs * len(trajs)) as (seen, log):
+        fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
+                  augment=seen, log=log)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     typer.echo(f"wrote {out}; train from it with --set model.preset=null --set model.path={out}")
@@ -246,8 +257,10 @@ def eval_(
         "Rollouts per task. 1: greedy. K > 1: sampled at engine.temperature, and pass^1 .. pass^K are reported "
         "per task kind (a tau2 task's kind is its domain), as tau2's report does."))] = 1,
 ) -> None:
-    """Evaluate CHECKPOINT on the held-out split (one greedy rollout per task, or --trials sampled ones) and print
-    pass^k per task kind (tau-bench's pass^k: mean over tasks of C(successes, k) / C(trials, k))."""
+    """Evaluate CHECKPOINT on the held-out split: pass^k per task kind.
+
+    One greedy rollout per task, or --trials sampled ones; tau-bench's pass^k: the mean over tasks of
+    C(successes, k) / C(trials, k)."""
     from tether.runtime import Runtime  # noqa: PLC0415 — torch, transformers: not for --help
 
     cfg = load_or_exit(config_files, set_)
@@ -278,7 +291,7 @@ def eval_(
         typer.echo(json.dumps(metrics, indent=2))
     else:
         shown = [t for t, ts in zip(eval_tasks, per_task) for _ in ts]
-        Progress(0, enabled=True, console=Console()).eval_table(str(checkpoint), metrics, shown, trajs)
+        show_eval(Console(), str(checkpoint), metrics, shown, trajs, rows=3)
         for k, v in metrics.items():
             typer.echo(f"{k:40s} {v:.4f}")
         typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task],
@@ -304,8 +317,10 @@ def serve(
                                                 "the checkpoint's own (vLLM's option). A policy reads prompts as it "
                                                 "was trained on them: check with `tether verify consistency`.")] = None,
 ) -> None:
-    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (chat and text completions, token ids in and out,
-    weight updates) on the local engine; prints the address, runs until Ctrl-C. Exit 2 on bad input."""
+    """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
+
+    On the local engine: chat and text completions, token ids in and out, weight updates; prints the address and runs
+    until Ctrl-C. Exit 2 on bad input."""
     from tether.serve import server  # noqa: PLC0415 — torch: not for --help
 
     api_key = None
@@ -342,8 +357,10 @@ def ping(
                                              "(overrides llm_client.api_key).")] = None,
     set_: Overrides = None,
 ) -> None:
-    """One chat request to the llm_client endpoint ("ping", max_tokens 8, no retries): prints the reply and the
-    latency, or what to check. Exit 0 ok, 1 endpoint fault, 2 bad config or environment."""
+    """Send one chat request to the llm_client endpoint.
+
+    The request is "ping", max_tokens 8, no retries; prints the reply and its latency, or what to check. Exit 0 ok, 1
+    endpoint fault, 2 bad config or environment."""
     overrides = list(set_ or [])
     if api_key_env is not None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
@@ -392,8 +409,10 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (holds metrics.jsonl); finished or in progress.")],
     out: Annotated[Path | None, typer.Option("--out", help="Folder to write (default RUN_DIR/report).")] = None,
 ) -> None:
-    """Plot a run's metrics: one PNG per figure (success and reward, learning signal, KL and entropy, staleness,
-    queue, idle ratios, reward components, monitors) and one self-contained HTML page, index.html."""
+    """Plot a run's metrics: PNG figures and an HTML page.
+
+    The page is index.html, self-contained; one figure each for success and reward, learning signal, KL and entropy,
+    staleness, queue, idle ratios, reward components and monitors."""
     from tether.report import ReportError, build_report  # noqa: PLC0415 — matplotlib: not for --help
 
     try:

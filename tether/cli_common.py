@@ -12,6 +12,7 @@ names. Light on purpose: ``tether --help`` imports this (no torch, no transforme
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import shlex
 import tempfile
@@ -38,6 +39,12 @@ Overrides = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override one key, e.g. --set learner.batch_size=32 (value parsed as YAML)."),
 ]
+
+
+def say(message: str) -> None:
+    """One line on stderr before a slow phase of a command (loading a model, replaying demonstrations, a short
+    run), so that a newcomer never watches a silent terminal; stdout stays the command's result."""
+    typer.echo(message, err=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -128,7 +135,12 @@ def run_failed(error: Exception, resume: str, run_dir: Path, last: Path | None, 
 
 
 class Group(TyperGroup):
-    """The ``tether`` app's command group: every command runs inside the last resort (``crash``)."""
+    """The ``tether`` app's command group: every command runs inside the last resort (``crash``), and every help
+    text is reflowed (``reflow``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        reflow(self)
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -137,6 +149,17 @@ class Group(TyperGroup):
             raise
         except Exception as e:  # noqa: BLE001 — the last resort: one line on the terminal, the traceback in a file
             raise crash(e) from None
+
+
+def reflow(group: TyperGroup) -> None:
+    """Join the lines of each paragraph of the help of ``group`` and of its commands (and sub-groups'), in place.
+    Typer's rich help keeps a docstring's line breaks, so a paragraph broken at the source's 120 columns came out
+    broken mid-sentence, between lines the terminal had wrapped already; rich wraps the joined paragraph itself."""
+    for command in (group, *group.commands.values()):
+        if command.help:
+            command.help = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(command.help).split("\n\n"))
+        if isinstance(command, TyperGroup) and command is not group:
+            reflow(command)
 
 
 def load_or_exit(files: list[Path], overrides: list[str] | None) -> RunConfig:

@@ -45,11 +45,14 @@ def run(seed: int, run_root: Path, overrides: list[str]) -> dict:
     cfg = load_config([HERE / "config.yaml"], [f"trainer.seed={seed}", *overrides])
     out = run_root / f"seed{seed}"
     t0 = time.perf_counter()
+    say(f"[demo] seed {seed}: warm start — the tiny model, SFT on the expert's demonstrations (a few minutes)…")
     sft_dir = warm_start(cfg, out, seed)
     t_sft = time.perf_counter() - t0
     if (out / "rl").exists():  # the demo's own directory: a new demo replaces the previous one's RL run
         say(f"[demo] replacing the previous demo run in {out / 'rl'}")
         shutil.rmtree(out / "rl")
+    say(f"[demo] seed {seed}: GRPO for {cfg.trainer.total_steps} steps; each evaluation's conversations go to "
+        f"{out / 'rl' / 'validation'}")
     result = train(cfg, out / "rl", model_dir=str(sft_dir))
     before, after = result.eval_before["eval/success_rate"], result.eval_after["eval/success_rate"]
     summary = {"seed": seed, "sft_success": before, "rl_success": after, "gain": after - before,

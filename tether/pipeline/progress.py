@@ -1,11 +1,16 @@
-"""What a person watching a run sees: a rich progress bar (step, reward, success rate, samples/s) and,
-at each evaluation, a small table of sample rollouts — and what a person grepping it later reads: the run's log,
-``RUN/train.log`` (warnings, monitor findings, one ``parameter sync: param_version=N`` line per weight sync)."""
+"""What a person watching a run sees: a rich progress bar (step, reward, success rate, samples/s) and, at each
+evaluation, two lines (held-out success, and what the policy did on the first task) or, asked for, a table of sample
+rollouts — and what a person grepping it later reads: the run's log, ``RUN/train.log`` (warnings, monitor findings,
+one ``parameter sync: param_version=N`` line per weight sync). Every conversation of an evaluation is in
+``RUN/validation/step_N.jsonl`` (``validation.py``), so the terminal shows only enough to see that the run moves."""
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 from rich.table import Table
+from rich.text import Text
 
 from tether.agent.loop import transcript
 from tether.types import Task, Trajectory
@@ -52,8 +58,12 @@ def log_failure(path: Path, error: BaseException, what: str = "the run failed") 
 
 
 class Progress:
-    def __init__(self, total_steps: int, start: int = 0, *, enabled: bool = True, console: Console | None = None):
-        self.enabled = enabled
+    """``samples``: the conversations shown at each evaluation — 0: two lines, the figures and the first task's
+    actions; N: a table of the first N (``show_eval``)."""
+
+    def __init__(self, total_steps: int, start: int = 0, *, enabled: bool = True, console: Console | None = None,
+                 samples: int = 0):
+        self.enabled, self.samples = enabled, samples
         self.console = console or Console(stderr=True)
         self._bar = RichProgress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
@@ -65,7 +75,7 @@ class Progress:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.console.print(f"[dim]{text}[/dim]")
+            self.console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True)  # the terminal wraps it, between words
 
     def warn(self, text: str) -> None:
         """Shown even when the progress bar is off: a warning is for the person running the job. Not wrapped, so
@@ -79,22 +89,69 @@ class Progress:
                  f"{row.get('perf/samples_per_s', float('nan')):.1f} samples/s")
         self._bar.update(self._task, completed=step, stats=stats)
 
-    def eval_table(self, where: str, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory],
-                   rows: int = 3) -> None:
-        """The held-out figures and the first ``rows`` conversations; ``where``: which weights ("step 8", or the
-        checkpoint ``tether eval`` evaluates)."""
-        if not self.enabled:
-            return
-        table = Table(title=f"eval @ {where}: success {metrics['eval/success_rate']:.2%}, "
-                            f"reward {metrics['eval/reward_mean']:.3f}", show_lines=True)
-        for col in ("task", "kind", "reward", "ok", "end", "conversation"):
-            table.add_column(col, overflow="fold")
-        for task, tr in list(zip(tasks, trajs))[:rows]:
-            convo = transcript(tr).split("\n", 1)[-1]  # drop the system prompt
-            table.add_row(task.id, task.kind, f"{tr.reward:.2f}", "✓" if tr.success else "✗", tr.termination,
-                          convo[-600:])
-        self.console.print(table)
+    def eval_table(self, where: str, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory]) -> None:
+        """One evaluation as ``samples`` asks (``show_eval``); ``where``: which weights ("step 8")."""
+        if self.enabled:
+            show_eval(self.console, where, metrics, tasks, trajs, self.samples)
 
     def close(self) -> None:
         if self.enabled:
             self._bar.stop()
+
+
+def show_eval(console: Console, where: str, metrics: dict[str, float], tasks: list[Task], trajs: list[Trajectory],
+              rows: int = 0) -> None:
+    """The held-out figures of one evaluation of the weights ``where`` ("step 8", a checkpoint), then its first
+    ``rows`` conversations as a table; with 0 rows, one line of the first task's instead: its outcome and the
+    policy's side of the conversation, cut to the terminal's width — the first task every time, so that successive
+    evaluations show the same task changing."""
+    headline = (f"eval @ {where}: success {metrics['eval/success_rate']:.1%} ({sum(t.success for t in trajs)}/"
+                f"{len(trajs)}), reward {metrics['eval/reward_mean']:.3f}")
+    if rows > 0:
+        table = Table(title=headline, show_lines=True)
+        for col in ("task", "kind", "reward", "ok", "end", "conversation"):
+            table.add_column(col, overflow="fold")
+        for task, tr in list(zip(tasks, trajs))[:rows]:
+            convo = transcript(replace(tr, messages=[m for m in tr.messages if m.get("role") != "system"]))
+            table.add_row(task.id, task.kind, f"{tr.reward:.2f}", "✓" if tr.success else "✗", tr.termination,
+                          convo[-600:])
+        console.print(table)
+        return
+    console.print(Text(headline), soft_wrap=True)
+    if tasks and trajs:
+        task, tr = tasks[0], trajs[0]
+        acts = " → ".join(_act(m) for m in tr.messages if m.get("role") == "assistant") or "(no reply)"
+        line = (f"  e.g. {task.id} ({task.kind}) {'✓' if tr.success else '✗'} {tr.reward:.2f}, "
+                f"{tr.termination or 'ended'}: {acts}")
+        console.print(Text(line, style="dim"), no_wrap=True, overflow="ellipsis")
+
+
+@contextmanager
+def sft_bar(total: int, console: Console | None = None
+            ) -> Iterator[tuple[Callable[[Trajectory, object], Trajectory], Callable[[str], None]]]:
+    """A bar on stderr counting the demonstrations ``sft`` trains on (``total``: epochs × demonstrations), and the
+    log for its epoch lines, printed above the bar. Yields ``(seen, log)`` for ``sft(augment=seen, log=log)``:
+    ``sft`` (tether.learner.sft) has no per-batch callback, and its ``augment`` hook sees each demonstration as it
+    is batched — ``seen`` counts it and returns it unchanged, drawing nothing from the generator, so the run is
+    the one without it."""
+    console = console or Console(stderr=True)
+    bar = RichProgress(TextColumn("[bold]sft"), MofNCompleteColumn(), TextColumn("demonstrations"), BarColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
+    task = bar.add_task("sft", total=total)
+
+    def seen(traj: Trajectory, _rng: object) -> Trajectory:
+        bar.advance(task)
+        return traj
+
+    with bar:
+        yield seen, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _act(message: dict) -> str:
+    """One assistant turn in a few words: its tool calls as ``name({arguments})``, then its text quoted."""
+    parts = [f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
+             for c in message.get("tool_calls") or []]
+    text = (message.get("content") or "").strip()
+    if text or not parts:
+        parts.append(json.dumps(text, ensure_ascii=False))
+    return " ".join(parts)

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from tether.cli_common import check_checkpoint, fail, load_or_exit
+from tether.cli_common import check_checkpoint, fail, load_or_exit, say
 from tether.config import ConfigError
 from tether.pipeline.rollouter import RolloutError
 from tether.verify import async_checks
@@ -24,8 +24,8 @@ from tether.verify import optim as optim_checks
 from tether.verify.criteria import Report, VerifyInputError, render
 
 verify_app = typer.Typer(
-    help="Check that a run is actually learning: environment, async pipeline, optimisation, train/deploy "
-         "consistency.",
+    help="Check that a run is learning: env, async, optim, consistency.\n\nEach exits 0 when its criteria hold, 1 "
+         "when some fail (with a diagnosis naming the keys to change), 2 on bad input.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -44,13 +44,18 @@ def env(
     policy: Annotated[bool, typer.Option("--policy", help="Also run a few episodes of the configured policy "
                                                           "through the agent loop (builds the model).")] = False,
 ) -> None:
-    """Drive the configured environment with scripted probes: tool calls return structured observations, rewards
-    stay in the verifier's range, each termination condition fires when it should, every verifier component
-    scores, the anti-hacking detectors fire on planted hacks. Prints a table of checks and a diagnosis naming the
-    config key for each failure. Exit 0 all hold (warnings allowed), 1 a check failed, 2 bad input."""
+    """Probe the configured environment with scripted episodes.
+
+    Checked: tool calls return structured observations, rewards stay in the verifier's range, each termination condition
+    fires when it should, every verifier component scores, the anti-hacking detectors fire on planted hacks. Prints a
+    table of checks and a diagnosis naming the config key for each failure. Exit 0 all hold (warnings allowed), 1 a
+    check failed, 2 bad input."""
     from tether.verify import env as env_checks  # noqa: PLC0415 — transformers: not for --help
 
     cfg = load_or_exit(files, set_)
+    say(f"verify env: probing {cfg.environment.name} with the scripted expert on {tasks} train tasks and "
+        f"{random_episodes} random episodes" + (", then a few episodes of the policy (loading the model)…" if policy
+                                                else "…"))
     try:
         checks = env_checks.verify_env(cfg, num_tasks=tasks, random_episodes=random_episodes, seed=seed,
                                        policy=policy)
@@ -65,13 +70,16 @@ Steps = Annotated[int | None, typer.Option(
                            "steps (default all).")]
 
 
-def _short_run(files: list[Path], set_: list[str] | None, steps: int, run_dir: Path) -> None:
-    """Train the merged config for ``steps`` steps into ``run_dir`` (exit 2 on bad input, 1 when it fails)."""
+def _short_run(what: str, files: list[Path], set_: list[str] | None, steps: int, run_dir: Path) -> None:
+    """Train the merged config for ``steps`` steps into ``run_dir`` (exit 2 on bad input, 1 when it fails), with
+    ``tether train``'s progress on stderr: the model, the engine and a first evaluation come before step 1."""
     from tether.pipeline.trainer import train  # noqa: PLC0415 — torch, transformers: not for --help
 
     cfg = load_or_exit(files, [*(set_ or ()), f"trainer.total_steps={steps}", f"trainer.save_every={steps}"])
+    say(f"verify {what}: a {steps}-step run of {' '.join(map(str, files))} in a temporary directory, then the "
+        "checks; loading the model…")
     try:
-        train(cfg, run_dir, show_progress=False)
+        train(cfg, run_dir)
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise fail(str(e)) from None
     except RolloutError as e:
@@ -86,12 +94,13 @@ def optim(
         "--set", help="With configs: override one key, e.g. --set policy_optimization.optimizer.lr=1e-5.")] = None,
     steps: Steps = None,
 ) -> None:
-    """Check the learning signal, gradient norm and KL of every step: the raw within-group reward std > 0.1
-    (measured before the degenerate-group filter: optim/advantage_std, after it, reads ≈ 0.94 whatever happens),
-    optim/grad_norm in [0.1, 10], optim/kl_divergence below kl_control.max_kl. Prints the criteria with pass/fail
-    counts, the steps that failed, and a diagnosis with the keys to change for each failed one.
-    Exit 0 all hold, 1 some failed, 2 bad input."""
-    _verify(paths, set_, steps, optim_checks.verify_run)
+    """Check the learning signal, gradient norm and KL per step.
+
+    The raw within-group reward std > 0.1 (measured before the degenerate-group filter: optim/advantage_std, after it,
+    reads ≈ 0.94 whatever happens), optim/grad_norm in [0.1, 10], optim/kl_divergence below kl_control.max_kl. Prints
+    the criteria with pass/fail counts, the steps that failed, and a diagnosis with the keys to change for each failed
+    one. Exit 0 all hold, 1 some failed, 2 bad input."""
+    _verify("optim", paths, set_, steps, optim_checks.verify_run)
 
 
 @verify_app.command("async")
@@ -103,20 +112,22 @@ def async_(
         "--set", help="With configs: override one key, e.g. --set rollout.scheduler.max_staleness=2.")] = None,
     steps: Steps = None,
 ) -> None:
-    """A short run of the real pipeline, then on every row: rollout/policy_version_lag_max ≤ max_staleness; no
-    degenerate group reaches the learner with the filter on; queue accounting balances (produced = consumed +
-    dropped + stale + queued); the parameter version advances by one every trigger_parameter_sync_step steps;
-    both sides busy (trainer and rollouter idle ratios < 0.95 on average). Exit 0 all hold, 1 some failed, 2 bad
-    input (a sync config among them: nothing async to check)."""
+    """Check an async run: staleness, queue, syncs, idle time.
+
+    A short run of the real pipeline (or an async run's directory), then on every row: rollout/policy_version_lag_max ≤
+    max_staleness; no degenerate group reaches the learner with the filter on; queue accounting balances (produced =
+    consumed + dropped + stale + queued); the parameter version advances by one every trigger_parameter_sync_step steps;
+    both sides busy (trainer and rollouter idle ratios < 0.95 on average). Exit 0 all hold, 1 some failed, 2 bad input
+    (a sync config among them: nothing async to check)."""
     if not (len(paths) == 1 and paths[0].is_dir()):
         try:
             async_checks.check_mode(load_or_exit(paths, set_).rollout.mode)
         except VerifyInputError as e:
             raise fail(str(e)) from None
-    _verify(paths, set_, steps, async_checks.verify_run)
+    _verify("async", paths, set_, steps, async_checks.verify_run)
 
 
-def _verify(paths: list[Path], set_: list[str] | None, steps: int | None,
+def _verify(what: str, paths: list[Path], set_: list[str] | None, steps: int | None,
             verify_run: Callable[[Path, int | None], Report]) -> None:
     """Check a run directory, or a short run of the configs ``paths`` in a temporary one; print and exit."""
     try:
@@ -124,7 +135,7 @@ def _verify(paths: list[Path], set_: list[str] | None, steps: int | None,
             report = verify_run(paths[0], steps)
         else:
             with tempfile.TemporaryDirectory(prefix="tether-verify-") as tmp:
-                _short_run(paths, set_, steps or 8, Path(tmp) / "run")
+                _short_run(what, paths, set_, steps or 8, Path(tmp) / "run")
                 report = verify_run(Path(tmp) / "run", None)
     except VerifyInputError as e:
         raise fail(str(e)) from None
@@ -152,7 +163,9 @@ def consistency(
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", min=1, help="The deployment requests' max_tokens (default engine.max_tokens).")] = None,
 ) -> None:
-    """Play the same tasks through the training path (agent loop, token-in/token-out, local engine) and the
+    """Compare training and deployment actions, turn by turn.
+
+    Play the same tasks through the training path (agent loop, token-in/token-out, local engine) and the
     deployment path (tether serve on this checkpoint, in-process on a free port, driven by an OpenAI chat client:
     text and tool schemas in, tool calls parsed by the server out), greedily on both, and compare the actions turn
     by turn. Match rate = Σ over tasks of the turns before the first differing one / Σ of the longer sequence's
@@ -172,6 +185,8 @@ def consistency(
                  if v is not None}
     try:
         template = None if chat_template is None else read_chat_template(chat_template)
+        say(f"verify consistency: loading {checkpoint}, then {tasks} {split} tasks through the training path and "
+            "through tether serve…")
         report = checks.check_consistency(checkpoint, cfg, num_tasks=tasks, split=split, chat_template=template,
                                           deploy_sampling=overrides)
     except (ConfigError, OSError, ValueError) as e:
