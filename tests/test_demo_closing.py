@@ -23,7 +23,7 @@ def test_the_demo_ends_with_the_figures_the_report_and_what_to_run_next(small_ru
               "run_dir": str(run_dir)}
     lines = demo_module().closing([result, {**result, "seed": 1, "gain": 0.253}])
     text = "\n".join(lines)
-    assert "seed 0: 35.9% after SFT → 81.2% after RL (+45.3 points, 196 s)" in text
+    assert "seed 0: 35.9% after SFT → 81.2% after RL (+45.3 points, RL in 196 s)" in text
     assert "mean gain over 2 seeds: +35.3 points" in text
     reports = [line.rsplit(": ", 1)[1] for line in lines if line.startswith("[demo] report of seed")]
     assert len(reports) == 2 and all(Path(r).is_file() and r.endswith("index.html") for r in reports)

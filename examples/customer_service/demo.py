@@ -2,12 +2,13 @@
 
     python examples/customer_service/demo.py [--seeds 0 1 2] [--run-dir runs/demo]
 
-1. build the tiny preset (random weights, tokenizer trained on the environment's texts) and warm-start it
-   by SFT on demonstrations of a deliberately imperfect expert, replayed through the real agent loop so the
-   tokens are exactly those RL will generate: ``tether.warmstart.tiny_sft`` — the recipe of the
-   ``model.preset: tiny-sft`` that config.yaml names, built here into the run directory so that its time is
-   measured (``tether train config.yaml`` builds it once into the cache instead);
-2. run GRPO in sync mode (config.yaml) and print held-out success before and after RL;
+1. the warm start: the ``model.preset: tiny-sft`` that config.yaml names — the tiny preset (random weights,
+   tokenizer trained on the environment's texts) fine-tuned on demonstrations of a deliberately imperfect expert,
+   replayed through the real agent loop so the tokens are exactly those RL will generate
+   (``tether.warmstart.tiny_sft``); built once into the cache (``$TETHER_CACHE``), where ``tether train
+   config.yaml`` finds it, and timed here when built;
+2. run GRPO in sync mode (config.yaml) for each seed (``trainer.seed``: RL's seed; every seed starts from the same
+   warm start) and print held-out success before and after RL;
 3. end with the before → after figures, the report of each run (``tether report``) and two commands to try next.
 """
 
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 from tether.config import RunConfig, load_config  # noqa: E402
 from tether.pipeline.trainer import train  # noqa: E402
 from tether.report import ReportError, build_report  # noqa: E402
-from tether.warmstart.tiny_sft import build_tiny_sft  # noqa: E402
+from tether.runtime import model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,18 +37,20 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def warm_start(cfg: RunConfig, out: Path, seed: int) -> Path:
-    """The tiny-sft preset for ``seed``, built into ``out/sft``; returns the HF folder."""
-    return build_tiny_sft(cfg, out / "sft", seed=seed, log=lambda m: say(f"[sft] {m}"))
+def warm_start(cfg: RunConfig) -> tuple[Path, float]:
+    """The config's ``tiny-sft`` preset (built into the cache on first use, as ``tether train`` does) and the seconds
+    it took here (~0 when it was cached)."""
+    t0 = time.perf_counter()
+    say("[demo] warm start: the tiny-sft preset (the tiny model after SFT on the expert's demonstrations; built once "
+        "into the cache, a few minutes on 2 idle cores)…")
+    path = Path(model_path(cfg))
+    return path, time.perf_counter() - t0
 
 
-def run(seed: int, run_root: Path, overrides: list[str]) -> dict:
+def run(seed: int, run_root: Path, overrides: list[str], sft_dir: Path) -> dict:
     cfg = load_config([HERE / "config.yaml"], [f"trainer.seed={seed}", *overrides])
     out = run_root / f"seed{seed}"
     t0 = time.perf_counter()
-    say(f"[demo] seed {seed}: warm start — the tiny model, SFT on the expert's demonstrations (a few minutes)…")
-    sft_dir = warm_start(cfg, out, seed)
-    t_sft = time.perf_counter() - t0
     if (out / "rl").exists():  # the demo's own directory: a new demo replaces the previous one's RL run
         say(f"[demo] replacing the previous demo run in {out / 'rl'}")
         shutil.rmtree(out / "rl")
@@ -56,7 +59,7 @@ def run(seed: int, run_root: Path, overrides: list[str]) -> dict:
     result = train(cfg, out / "rl", model_dir=str(sft_dir))
     before, after = result.eval_before["eval/success_rate"], result.eval_after["eval/success_rate"]
     summary = {"seed": seed, "sft_success": before, "rl_success": after, "gain": after - before,
-               "sft_s": round(t_sft, 1), "total_s": round(time.perf_counter() - t0, 1), "run_dir": str(out / "rl")}
+               "total_s": round(time.perf_counter() - t0, 1), "run_dir": str(out / "rl")}
     say(f"[demo] seed {seed}: held-out success {before:.1%} after SFT → {after:.1%} after RL "
         f"({(after - before) * 100:+.1f} points) in {summary['total_s']:.0f} s; run directory {out / 'rl'}")
     return summary
@@ -69,7 +72,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    results = [run(s, args.run_dir, args.overrides) for s in args.seeds]
+    sft_dir, sft_s = warm_start(load_config([HERE / "config.yaml"], args.overrides))
+    results = [{**run(s, args.run_dir, args.overrides, sft_dir), "sft_s": round(sft_s, 1)} for s in args.seeds]
     (args.run_dir / "summary.json").write_text(json.dumps(results, indent=2))
     for line in closing(results):
         say(line)
@@ -81,7 +85,7 @@ def closing(results: list[dict]) -> list[str]:
     lines = ["", "[demo] done. Held-out success (greedy, the environment's eval split):"]
     for r in results:
         lines.append(f"  seed {r['seed']}: {r['sft_success']:.1%} after SFT → {r['rl_success']:.1%} after RL "
-                     f"({r['gain'] * 100:+.1f} points, {r['total_s']:.0f} s)")
+                     f"({r['gain'] * 100:+.1f} points, RL in {r['total_s']:.0f} s)")
     if len(results) > 1:
         lines.append(f"  mean gain over {len(results)} seeds: "
                      f"{sum(r['gain'] for r in results) / len(results) * 100:+.1f} points")
