@@ -40,6 +40,7 @@ from tether.env.customer_service.env import environment_config
 from tether.env.customer_service.tasks import generate
 from tether.env.customer_service.world import POLICIES, World
 from tether.learner.sft import warmup_cosine
+from tether.threads import TorchThreads
 from tether.types import Trajectory
 
 # Each class and the word that asks for one of its entities in the copy task.
@@ -187,20 +188,25 @@ class CopyTask:
 
 
 def copy_pretrain(model: Any, task: CopyTask, *, steps: int = 100, lr: float = 3e-3, batch_size: int = 32,
-                  log: Any = None) -> float:
-    """Train the copy task alone; returns the last batch's loss."""
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = warmup_cosine(opt, steps, warmup=10)
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        loss = task.loss(model, batch_size)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log and (step + 1) % 25 == 0:
-            log(f"copy task step {step + 1}/{steps}: nll {float(loss.detach()):.3f}")
+                  log: Any = None, threads: TorchThreads | None = None) -> float:
+    """Train the copy task alone; returns the last batch's loss. The torch thread count is re-decided every 25 steps
+    (``threads``: as ``tether.learner.sft.sft`` takes it; the caller's count is back on return)."""
+    threads = threads or TorchThreads(log)
+    with threads:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        sched = warmup_cosine(opt, steps, warmup=10)
+        loss = torch.tensor(float("nan"))
+        for step in range(steps):
+            if step % 25 == 0:
+                threads.update()
+            loss = task.loss(model, batch_size)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if log and (step + 1) % 25 == 0:
+                log(f"copy task step {step + 1}/{steps}: nll {float(loss.detach()):.3f}")
     model.eval()
     return float(loss.detach())

@@ -37,6 +37,7 @@ from tether.env.customer_service.tasks import world_eval_tasks
 from tether.learner.model import BUILD_VERSION, TINY_DEFAULTS, TINY_VOCAB_SIZE, build_tiny, load_model_and_tokenizer
 from tether.learner.sft import sft
 from tether.learner.tiny import CHAT_TEMPLATE, IM_START
+from tether.threads import TorchThreads
 from tether.types import Trajectory
 from tether.warmstart.demos import expert_demos
 from tether.warmstart.entities import (
@@ -164,7 +165,11 @@ def cache_key(cfg: RunConfig, recipe: Recipe | None = None) -> str:
 def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, recipe: Recipe | None = None,
                    log: Callable[[str], None] = print) -> Path:
     """Build the tiny model and fine-tune it on imperfect demonstrations into ``out`` (an HF folder); the
-    recipe defaults to ``RECIPE``, the seed to the recipe's (the demo passes one per RL seed)."""
+    recipe defaults to ``RECIPE``, the seed to the recipe's (the demo passes one per RL seed).
+
+    The torch thread count follows the load (``tether.threads``: re-decided every 25 copy-task steps and every SFT
+    epoch, at most the caller's count); the weights' last bits depend on it, so ``tether_warmstart.json`` records
+    every count decided (``torch_threads``) and ``TETHER_THREADS=N`` fixes it for a reproducible build."""
     _check_environment(cfg)
     recipe = recipe or RECIPE
     seed = recipe.seed if seed is None else seed
@@ -198,21 +203,22 @@ def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, 
     log(f"SFT: {recipe.dialogue_epochs} epochs without the system prompt ({_tokens(short) / 1e6:.2f} M tokens each), "
         f"then {recipe.full_epochs} on the full sequences ({_tokens(demos) / 1e6:.2f} M tokens each); the time left "
         "is estimated after each epoch")
+    threads = TorchThreads(log)  # one for the three phases: each gives the caller's count back
     with torch.random.fork_rng(devices=[]), tied_class_gradients(model, vocab):  # the caller's RNG untouched
         torch.manual_seed(seed)
         copy_pretrain(model, copy_task, steps=recipe.copy_steps, lr=recipe.copy_lr,
-                      batch_size=recipe.copy_batch_size, log=log)
+                      batch_size=recipe.copy_batch_size, log=log, threads=threads)
         dialogue = sft(model, short, pad_id=pad, seed=seed, augment=swap, extra_loss=copy_task.loss,
                        log=progress.phase("dialogue"), epochs=recipe.dialogue_epochs, lr=recipe.dialogue_lr,
-                       batch_size=recipe.batch_size)
+                       batch_size=recipe.batch_size, threads=threads)
         full = sft(model, demos, pad_id=pad, seed=seed, augment=swap, log=progress.phase("full"),
-                   epochs=recipe.full_epochs, lr=recipe.full_lr, batch_size=recipe.batch_size)
+                   epochs=recipe.full_epochs, lr=recipe.full_lr, batch_size=recipe.batch_size, threads=threads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     losses: list[float | None] = [*dialogue, *full] or [None]
     (out / "tether_warmstart.json").write_text(json.dumps({
         "preset": "tiny-sft", "seed": seed, "recipe": asdict(recipe), "demonstrations": len(demos),
-        "expert_success": ok, "sft_nll_per_token": losses[-1],
+        "expert_success": ok, "sft_nll_per_token": losses[-1], "torch_threads": threads.counts,
         "build_s": round(time.perf_counter() - t0, 1),
     }, indent=2))
     return out
