@@ -16,11 +16,14 @@ Order. Groups are trained as they finish; with ``trainer.deterministic`` in the 
 (a group waits for those before it), so that the gradient is summed in one order. In the async modes the groups are
 produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
 
-Threads. While both compute, the engine's thread and the learner's worker each get half the trainer's torch threads
-(``split_threads``; one each on two cores): an OpenMP team of two threads on a core that another busy thread
-holds waits for it at every barrier, which measured slower than one thread each. While the learner waits for a
-group, the engine has them all (``engine_threads``; a decode step of the demo's is 15-25 % faster on two threads
-than on one). After the rollout the trainer's own thread trains what is left with all of them.
+Threads. A step's "all threads" (``all_threads``) is decided at its start from the cores other processes leave
+(``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). While both
+compute, the engine's thread and the learner's worker each get half of them (``split_threads``; one each on two
+cores): an OpenMP team of two threads on a core that another busy thread holds waits for it at every barrier, which
+measured slower than one thread each. While the learner waits for a group, the engine has them all
+(``engine_threads``; a decode step of the demo's is 15-25 % faster on two threads than on one). After the rollout the
+trainer's own thread trains what is left with all of them; between steps (evaluation) the engine has the caller's
+count back.
 
 Deterministic threads (``trainer.deterministic``). On a CPU a result can depend, in its last bits, on the number of
 torch threads that computed it (how a product's or a reduction's partial sums are split). Measured on the demo's
@@ -31,9 +34,10 @@ differed: 1.5e-8 on the weights at step 4, then 6 metrics). The learner's side o
 thread and two, but a reduction over more than 32k elements (torch's grain) is split by thread, and which groups
 train beside the rollout and which after it follows timing too. So in deterministic mode the counts are pinned
 (``pinned``): the engine gets half the threads from the step's start to the rollout's end, and every group is trained
-on the other half, the groups left after the rollout included. What that gives up (the engine decodes on half the
-threads while the learner idles, the groups left after the rollout train on half) cost nothing on the demo step,
-which got faster: a request decoded on its own is too small for a second thread to pay (``docs/determinism.md``).
+on the other half, the groups left after the rollout included; and the step's count is the caller's, never the
+load's. What that gives up (the engine decodes on half the threads while the learner idles, the groups left after
+the rollout train on half) cost nothing on the demo step, which got faster: a request decoded on its own is too small
+for a second thread to pay (``docs/determinism.md``).
 
 Metrics: ``perf/learner_overlap_s`` — learner seconds spent while the rollout was still running (0 without
 overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
@@ -41,6 +45,7 @@ overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -55,6 +60,7 @@ from tether.learner.accumulate import Accumulation
 from tether.learner.learner import Learner
 from tether.metrics import record_metric
 from tether.pipeline.shaping import Produced
+from tether.threads import CpuMeter, choose, torch_threads
 from tether.types import Group, Trajectory
 
 
@@ -89,9 +95,19 @@ def _trainable(produced: Produced) -> bool:
     return not produced.dropped and bool(produced.group.trajectories)
 
 
-def split_threads() -> int:
-    """Torch threads for each of the two that compute at once (engine, learner worker): half of this thread's."""
-    return max(1, torch.get_num_threads() // 2)
+_METER = CpuMeter()  # the steps' look at the load: its window is one step start to the next
+
+
+def split_threads(all_threads: int) -> int:
+    """Torch threads for each of the two that compute at once (engine, learner worker): half of the step's."""
+    return max(1, all_threads // 2)
+
+
+def step_threads(ordered: bool) -> int:
+    """A step's "all threads": this thread's count (the caller's) with ``ordered`` (``trainer.deterministic``),
+    else as many of them as the load leaves (``tether.threads.choose``)."""
+    ceiling = torch.get_num_threads()
+    return ceiling if ordered else choose(ceiling, _METER).threads
 
 
 class StepUpdate:
@@ -111,7 +127,9 @@ class StepUpdate:
         self.normalization, self.min_std = advantage.normalization, advantage.degenerate_group_filter.min_reward_std
         self.streams = streams(learner, self.normalization)
         self.overlap = overlaps(learner, self.normalization, overlap_rollout=overlap_rollout, mode=mode)
-        self.threads, self.all_threads = split_threads(), torch.get_num_threads()  # read in the trainer's thread
+        self.ceiling = torch.get_num_threads()  # the caller's: read in the trainer's thread, given back after the step
+        self.all_threads = step_threads(ordered)
+        self.threads = split_threads(self.all_threads)
         self.ordered = ordered
         # deterministic: every group trained on ``threads``, the engine on ``threads`` until the rollout ends
         self.pinned = self.overlap and ordered
@@ -126,8 +144,11 @@ class StepUpdate:
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
         self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
         self.overlap_s = 0.0
-        if self.pinned:
-            self._share(self.threads)  # before the step's first request: the engine applies it before its next step
+        # the engine's count is set for the step (and the caller's given back at its end) when pinned, or when the
+        # load leaves fewer threads than the caller's; before the step's first request: it applies before its next
+        self._engine_moved = self.pinned or (self.overlap and self.all_threads != self.ceiling)
+        if self._engine_moved:
+            self._share(self.threads if self.pinned else self.all_threads)
 
     # -- rollout side (the event loop's thread) --------------------------------------------------------------
     def offer(self, produced: Produced) -> None:
@@ -168,7 +189,7 @@ class StepUpdate:
         except BaseException as e:  # noqa: BLE001 — surfaced by finish, never swallowed
             self._error = e
         finally:
-            torch.set_num_threads(self.all_threads)  # the default that threads started later take
+            torch.set_num_threads(self.ceiling)  # the default that threads started later take
 
     def _share(self, n: int) -> None:
         if self.engine_threads is not None:
@@ -212,11 +233,11 @@ class StepUpdate:
 
     def _stop_worker(self) -> None:
         self._handoff.set()
-        if self._worker is not None or self.pinned:
+        if self._worker is not None or self._engine_moved:
             if self._worker is not None:
                 self._worker.join()
                 self._worker = None
-            self._share(self.all_threads)  # the rollout is over (the worker may have stopped with a group queued)
+            self._share(self.ceiling)  # the rollout is over (the worker may have stopped with a group queued)
 
     def train(self, produced: Sequence[Produced], trajectories: list[Trajectory], advantages: torch.Tensor) -> bool:
         """Train the step: ``produced`` is every group delivered (in task order), ``trajectories`` and ``advantages``
@@ -224,27 +245,24 @@ class StepUpdate:
         self._stop_worker()
         if self._error is not None:
             raise self._error
-        if not self.streams:
-            if trajectories:
-                self.learner.train_step(trajectories, advantages)  # records the optim/* metrics itself
-            return bool(trajectories)
-        t0 = time.perf_counter()
-        kept = [p for p in produced if _trainable(p)]
-        done = set(self.trained)
-        if self.pinned:
-            torch.set_num_threads(self.threads)  # the worker's count: a group's gradient is the same on either side
-        try:
-            for p in kept:
-                if id(p) not in done:
-                    self._add(p)
-        finally:
-            if self.pinned:
-                torch.set_num_threads(self.all_threads)
-        if len(self.trained) != len(kept) or sum(len(p.group.trajectories) for p in kept) != len(trajectories):
-            raise RuntimeError(f"the streamed update trained {len(self.trained)} groups of {len(kept)}")
-        if self.update is None:
-            return False
-        self.learner.finish_step(self.update)
+        with torch_threads(self.all_threads):  # the trainer's thread: the step's count, the caller's back after
+            if not self.streams:
+                if trajectories:
+                    self.learner.train_step(trajectories, advantages)  # records the optim/* metrics itself
+                return bool(trajectories)
+            t0 = time.perf_counter()
+            kept = [p for p in produced if _trainable(p)]
+            done = set(self.trained)
+            # pinned: the worker's count, a group's gradient is the same on either side
+            with torch_threads(self.threads) if self.pinned else contextlib.nullcontext():
+                for p in kept:
+                    if id(p) not in done:
+                        self._add(p)
+            if len(self.trained) != len(kept) or sum(len(p.group.trajectories) for p in kept) != len(trajectories):
+                raise RuntimeError(f"the streamed update trained {len(self.trained)} groups of {len(kept)}")
+            if self.update is None:
+                return False
+            self.learner.finish_step(self.update)
         record_metric("perf/learner_overlap_s", self.overlap_s, "last")
         record_metric("perf/learner_after_rollout_s", time.perf_counter() - t0, "last")
         return True
