@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from tether.cli import app
 from tether.config import ConfigError, RunConfig, load_config
 from tether.config.explain import every_field, explain, seed_documents
-from tether.config.inert import horizon_for, max_kl_coef_change
+from tether.config.inert import horizon_for, inert_values, max_kl_coef_change
 from tether.config.io import _unwrap
 from tether.config.sections import PIPELINES
 from tether.config.support import UNSUPPORTED
@@ -311,3 +311,8 @@ def test_tis_settings_that_cannot_change_the_weights_warn():
     # band [0.8, 1.2] and cap 2: no in-band weight reaches the cap; a cap of 1.1 does act
     assert any("truncation never acts" in w for w in tis(tis_enabled=True, tis_cap=2.0))
     assert not any("truncation never acts" in w for w in tis(tis_enabled=True, tis_cap=1.1))
+
+
+def test_the_flagship_example_warns_about_nothing_in_itself():
+    """examples/customer_service/config.yaml is the reference a newcomer copies: no value in it is inert at start."""
+    assert inert_values(load_config(["examples/customer_service/config.yaml"])) == []
