@@ -229,7 +229,7 @@ def demo(out: str) -> str:
     seeds = [json.loads(s) for s in re.findall(r"^\[figures\] summary (\{.*\})$", out, re.MULTILINE)]
     if not seeds:
         raise ValueError("no demo summary in the output")
-    per = "; ".join(f"seed {s['seed']}: {s['sft_success']:.1%} → {s['rl_success']:.1%} in {s['total_s']:.0f} s"
+    per = "; ".join(f"seed {s['seed']}: {s['sft_success']:.1%} → {s['rl_success']:.1%} (RL {s['total_s']:.0f} s)"
                     for s in seeds)
     gain = sum(s["gain"] for s in seeds) / len(seeds) * 100
     optim = ", ".join(f"{name} on {p} of {n}" for name, (p, n) in verify_optim_counts(out).items())
@@ -241,8 +241,9 @@ def train(out: str) -> str:
     if not evals:
         raise ValueError("no eval/success_rate rows in metrics.jsonl")
     before, after = float(evals[0][1]), float(evals[-1][1])
+    build = find(r"built tiny-sft preset in (\d+) s", out, "preset build line").group(1)
     return (f"held-out success {before:.1%} (step {evals[0][0]}) → {after:.1%} (step {evals[-1][0]}), "
-            f"**{(after - before) * 100:+.1f} points**; the tiny-sft build included (empty cache)")
+            f"**{(after - before) * 100:+.1f} points**; the one-time tiny-sft build (empty cache) {build} s")
 
 
 def ablation(out: str) -> str:

@@ -162,6 +162,6 @@ def test_demo_parser_counts_the_real_verify_optim_table(tmp_path):
     summary = {"seed": 0, "sft_success": 0.359, "rl_success": 0.812, "gain": 0.453, "total_s": 513.2}
     out = f"[figures] summary {json.dumps(summary)}\n" + figures.execute(f"tether verify optim {run}")
     assert figures.demo(out) == (
-        "held-out success after SFT → after RL, seed 0: 35.9% → 81.2% in 513 s; **mean gain +45.3 points**; "
+        "held-out success after SFT → after RL, seed 0: 35.9% → 81.2% (RL 513 s); **mean gain +45.3 points**; "
         "verify optim: optim/raw_reward_std_within_group > 0.1 on 4 of 4, optim/grad_norm in [0.1, 10] on 3 of 4, "
         "optim/kl_divergence < max_kl = 0.05 on 4 of 4")
