@@ -149,9 +149,12 @@ def test_torch_threads_logs_each_change_and_gives_the_caller_count_back(caller_t
     with chooser:
         assert chooser.update() == 1 and torch.get_num_threads() == 1
         assert chooser.update() == 1  # unchanged: no second line
+    assert torch.get_num_threads() == caller_threads
+    with chooser:  # a build's next phase begins at the caller's count: lowered again, no line for it
+        assert chooser.update() == 1 and torch.get_num_threads() == 1
         chooser.meter = Load(others=0.1)
-        assert chooser.update() == 2
-    assert torch.get_num_threads() == caller_threads and chooser.counts == [1, 1, 2]
+        assert chooser.update() == 2 and torch.get_num_threads() == 2
+    assert torch.get_num_threads() == caller_threads and chooser.counts == [1, 1, 1, 2]
     assert lines == ["2 → 1 torch threads: about 0.9 of 2 cores are busy with other processes",
                      "1 → 2 torch threads: about 0.1 of 2 cores are busy with other processes"]
 

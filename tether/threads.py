@@ -201,8 +201,8 @@ def torch_threads(n: int) -> Iterator[None]:
 class TorchThreads:
     """torch's thread count for a long CPU-bound job (an SFT run, the preset build). ``update()`` at each boundary
     (an epoch, a phase) re-decides it (``choose``, at most the count torch had when this was made) and logs a line
-    when it changes; as a context manager it gives the caller's count back on exit. ``counts`` lists every count
-    decided, in order."""
+    when the decision changes; as a context manager it gives the caller's count back on exit. ``counts`` lists every
+    count decided, in order."""
 
     def __init__(self, log: Callable[[str], Any] | None = None, ceiling: int | None = None):
         self.log = log
@@ -214,9 +214,10 @@ class TorchThreads:
     def update(self) -> int:
         """Decide and apply the count for what follows; returns it."""
         choice, current = choose(self.ceiling, self.meter), torch.get_num_threads()
+        previous = self.counts[-1] if self.counts else current  # a phase begun at the caller's count: no new line
+        if choice.threads != previous and self.log is not None:
+            self.log(f"{previous} → {choice.threads} torch threads: {choice.why}")
         if choice.threads != current:
-            if self.log is not None:
-                self.log(f"{current} → {choice.threads} torch threads: {choice.why}")
             torch.set_num_threads(choice.threads)
         self.counts.append(choice.threads)
         return choice.threads
