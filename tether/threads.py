@@ -5,6 +5,8 @@ holds stalls the whole team. Measured (``benchmarks/contention.py``: forward + b
 model, batch 8 × 400 tokens, 2 cores, medians of 3-4 runs): quiet, 1 thread 0.47-0.58 s a step and 2 threads
 0.27-0.33 s; beside one CPU-bound process, 1 thread 0.49-0.58 s and 2 threads 0.72-1.03 s (1.44-1.79× slower than
 one); beside two busy cores (other jobs on the machine), 2 threads took 4.8-5.5 s, 9-10× one thread's 0.52-0.59 s.
+A tiny-sft build (80 demonstrations, 50 copy-task steps, 4 epochs) from 2 threads: quiet 15-18 s fixed or adaptive;
+beside a busy process 204 s fixed, 26-31 s adaptive (1 thread).
 
 What is measured. The cores other processes kept busy over a window: the busy jiffies of this process's CPUs
 (``os.sched_getaffinity``) in ``/proc/stat`` (all but idle and iowait; steal counts as busy), less this process's
@@ -16,12 +18,13 @@ the last look is missing or over ``MAX_WINDOW_S`` old, ``SAMPLE_S`` is sampled n
     threads   = clamp(floor(available + 1/2), 1, ceiling)         (``decide``)
 
 Beside a busy process a window over 2 threads reads 0.68-0.84 of a core (the scheduler gives it 2/3 of one: 3
-threads on 2 cores), over 1 thread 0.98-1.04: 1 thread either way. Beside one busy half the time, 0.23-0.34 over 2
-threads (2 kept) and 0.45-0.58 over 1 thread (1 or 2: a half rounds up). The two errors cost unequally, so the
-rounding errs low: 2 threads beside a busy process cost 1.44-1.79×, 1 beside a half-busy one 1.17-1.24×.
-Rejected: ``procs_running`` (runnable threads, an instant: beside a half-busy process it reads 1, 2 or 3, and it
-counts this process's own); the idle share sampled while this process waits (exact: 0.51 and 1.01 of a core, but
-``SAMPLE_S`` of waiting at every decision, and a busy thread of this process's own counts as contention).
+threads on 2 cores), over 1 thread 0.94-1.08: 1 thread either way. Beside one busy half the time, 0.23-0.38 over 2
+threads (2 kept) and 0.45-0.58 over 1 thread (1 or 2). The threshold (the last thread kept while others use at most
+half a core) lies nearer the cheaper error: 2 threads beside a busy process cost 1.44-1.79×, 1 beside a half-busy
+one 1.17-1.28×. Rejected: ``procs_running`` (runnable threads, an instant: beside a half-busy process it reads 1, 2
+or 3, and it counts this process's own); the idle share sampled while this process waits (exact: 0.51-0.53 and
+1.00-1.01 of a core, but ``SAMPLE_S`` of waiting at every decision, and a busy thread of this process's own counts
+as contention).
 
 ``ceiling`` is the caller's ``torch.get_num_threads()`` (``OMP_NUM_THREADS``, ``torch.set_num_threads``): the choice
 only ever lowers it. Without ``/proc/stat`` (not Linux) the ceiling is kept. ``TETHER_THREADS=N`` fixes N threads
