@@ -50,7 +50,8 @@ def _wait_for(condition):
     raise AssertionError("timed out")
 
 
-def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_trains(tmp_path):
+def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("TETHER_THREADS", "2")  # the step's count fixed: not lowered by the tests running beside it
     (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
     cfg = load_config([tmp_path / "cfg.yaml"], ["rollout.mode=sync", "learner.overlap_rollout=true"])
     saved = torch.get_num_threads()
