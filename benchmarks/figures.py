@@ -98,7 +98,9 @@ def run_train(command: str, tmp: Path) -> str:
     out = execute(f"{command.replace('$(mktemp -d)', str(tmp / 'cache'))} --run-dir {run_dir}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/success_rate" in r]
-    return out + "".join(f"\n[figures] step {r['step']} eval/success_rate {r['eval/success_rate']}" for r in evals)
+    build = [json.loads(p.read_text())["build_s"] for p in (tmp / "cache").glob("tiny-sft-*/tether_warmstart.json")]
+    return (out + "".join(f"\n[figures] step {r['step']} eval/success_rate {r['eval/success_rate']}" for r in evals)
+            + "".join(f"\n[figures] built tiny-sft preset in {b:.0f} s" for b in build))
 
 
 # ---- parsers: printed output → figure -------------------------------------------------------------------------
