@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
+# One OpenMP thread unless asked otherwise, as `make test` runs: several tests fork a child that runs torch, and a
+# child forked after the parent ran a GNU OpenMP team of 2+ threads can hang in its first parallel region (seen:
+# `pytest tests/test_run_dir_safety.py` run alone). Set before torch is imported by any test module.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEEDS = REPO / "configs" / "seeds"  # the six seed configs, as shipped in the repository
