@@ -42,7 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 STORE = "benchmarks/figures.json"
-OWN = ("README.md", STORE)  # written by this script: not part of the code a figure was measured on
+# Not part of the code a figure was measured on: what this script writes, the script and its test (they parse
+# printed output, they measure nothing), the docs.
+OWN = ("README.md", STORE, "benchmarks/figures.py", "tests/test_figures.py", "docs")
 KEEP_OUTPUT = 4000  # characters of each row's output kept in figures.json
 
 
@@ -131,8 +133,8 @@ def printed_max_diff(out: str) -> str:
 
 
 def engine_throughput(out: str) -> str:
-    e = find(r"^engine .*: (\d+) tok/s \(median of (\d+)\)", out, "engine line")
-    g = find(r"^generate .*: (\d+) tok/s", out, "generate line")
+    e = find(r"^engine .*:\s+(\d+) tok/s \(median of (\d+)\)", out, "engine line")
+    g = find(r"^generate .*:\s+(\d+) tok/s", out, "generate line")
     r = find(r"^ratio engine/generate = ([\d.]+)", out, "ratio line")
     return f"{e.group(1)} vs {g.group(1)} tokens/s, **ratio {r.group(1)}** (medians of {e.group(2)})"
 

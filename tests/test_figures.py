@@ -165,3 +165,12 @@ def test_demo_parser_counts_the_real_verify_optim_table(tmp_path):
         "held-out success after SFT → after RL, seed 0: 35.9% → 81.2% (RL 513 s); **mean gain +45.3 points**; "
         "verify optim: optim/raw_reward_std_within_group > 0.1 on 4 of 4, optim/grad_norm in [0.1, 10] on 3 of 4, "
         "optim/kl_divergence < max_kl = 0.05 on 4 of 4")
+
+
+def test_engine_parser_reads_the_benchmarks_aligned_summary_lines():
+    out = """repeat 1: engine 3244 tok/s (85% of prompt tokens from cached prefixes), generate 1481 tok/s
+engine   (LocalEngine, 64 async conversations): 3244 tok/s (median of 3)
+generate (batched per turn, left padding):      1435 tok/s (median of 3)
+ratio engine/generate = 2.26
+"""
+    assert figures.engine_throughput(out) == "3244 vs 1435 tokens/s, **ratio 2.26** (medians of 3)"
