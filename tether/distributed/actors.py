@@ -4,20 +4,34 @@
   engine (``engine.type``), the environments, and two ``Rollouter``s (sampling, and greedy for held-out
   evaluation). It answers ``group`` / ``groups`` calls; the GroupProducer, admission control and the ledger
   stay with the trainer, so a group's identity and its exactly-once accounting never leave one process.
+  What scores a finished episode runs here too, beside the episodes, as it runs beside them in the local
+  backend: the LLM judge's reward loop (``verifier.judge: llm``: its workers, cache and the judge client's
+  per-endpoint buckets and concurrency cap live in this process, which makes the run's judge calls — all of
+  them unless the trainer evaluates its own weights, ``use_trainer_do_validate`` in the async modes) and the
+  teacher (``teacher``: a local checkpoint loaded here, or a server). Not actors of their own: both already work
+  off the generation path (async workers, the teacher's thread), so an actor would add a round trip per episode
+  and a second restart story, and buy no concurrency; a restarted RolloutWorker builds both again from the
+  config. (A teacher that needs a device of its own runs behind a server: ``teacher.remote``.) The trainer
+  settles each group's judge failures by ``reward.on_judge_failure`` (``GroupProducer``, as locally). The judge's
+  and the teacher's keys are read from the variables handed to the constructor (``env``).
 - ``TrainerWorker``: runs ``tether.pipeline.trainer.train`` — the same loop as the local backend — with the
   remote parts (``remote.py``; the MessageQueue's actor, ``QueueWorker``, is started from there).
 
-Metrics a RolloutWorker records (``rollout/episode_errors`` and the like) are kept as events and returned with
-each call's result, to be recorded again in the trainer, so a step's row is the same in both backends.
+Metrics a RolloutWorker records (``rollout/episode_errors``, the judge's ``reward/judge_*`` and the like) are kept as
+events and returned with each call's result, to be recorded again in the trainer, so a step's row is the same in
+both backends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import os
 import threading
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tether.config import RunConfig
 from tether.distributed.envvars import apply_env
@@ -27,14 +41,23 @@ from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.rollouter import Rollouter, RolloutError
 from tether.pipeline.trainer import train
 from tether.runtime import Runtime
+from tether.teacher.scorer import make_teacher, score_trajectory
 from tether.types import Task
 
 Event = tuple[str, float, str]  # (metric, value, reduction)
+T = TypeVar("T")
 
 
 def env_present(names: list[str]) -> dict[str, bool]:
     """Which of ``names`` are set in this process's environment (names only: values never leave the actor)."""
     return {n: n in os.environ for n in names}
+
+
+def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own, waited for. An async actor's constructor runs inside the actor's event
+    loop (Ray 2.60), where ``asyncio.run`` — a remote teacher's tokenizer probe in ``make_teacher`` — refuses to run."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tether-build") as pool:
+        return pool.submit(fn, *args).result()
 
 
 class EventLog(MetricsRecorder):
@@ -62,12 +85,16 @@ class RolloutWorker:
         set_recorder(self.events)
         self.rt = Runtime.build(cfg, model_dir)
         self.rt.model = None  # the engine holds its own copy
+        self.teacher = off_loop(make_teacher, cfg, self.rt.tokenizer)  # None: no teacher; tokenizer checked as locally
+        score = None if self.teacher is None else functools.partial(score_trajectory, self.teacher)
         worker = cfg.rollout.worker
-        self.rollouters = {
+        self.rollouters = {  # the rollouters Run.build makes in the local backend (the judge's loop shared by both)
             False: Rollouter(self.rt.loop(), self.rt.make_env, max_concurrent=worker.max_concurrent_tasks,
                              timeout_s=worker.task_timeout_s, retries=worker.retry_on_failure,
-                             reuse_policy=cfg.rollout.partial_rollout.reuse_policy, num_workers=worker.num_workers),
-            True: Rollouter(self.rt.loop(greedy=True), self.rt.make_env, max_concurrent=worker.max_concurrent_tasks),
+                             reuse_policy=cfg.rollout.partial_rollout.reuse_policy, num_workers=worker.num_workers,
+                             score=score, rewards=self.rt.rewards),
+            True: Rollouter(self.rt.loop(greedy=True), self.rt.make_env, max_concurrent=worker.max_concurrent_tasks,
+                            rewards=self.rt.rewards),
         }
         self.token, self.version = 0, 0  # token 0: the weights of the model folder (weight_transfer.py)
         self.in_flight = 0
@@ -112,6 +139,8 @@ class RolloutWorker:
         return env_present(names)
 
     def close(self) -> None:
+        if self.teacher is not None:
+            self.teacher.close()
         self.rt.close()
 
 

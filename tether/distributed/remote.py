@@ -4,7 +4,8 @@
 
 - ``RolloutHandle`` for the rollout engine: ``update_weights`` puts the weights into the object store in buckets
   and has the RolloutWorker load them (``weight_transfer.py``); ``stats`` is the engine's.
-- ``RemoteRollouter`` for the ``Rollouter``: ``group`` / ``groups`` run in the RolloutWorker.
+- ``RemoteRollouter`` for the ``Rollouter``: ``group`` / ``groups`` run in the RolloutWorker, and with them the LLM
+  judge's reward loop and the teacher; the trainer settles judge failures (``reward.on_judge_failure``).
 - ``RemoteQueue`` for the ``MessageQueue`` (async modes): the same methods, in a QueueWorker actor.
 
 **A rollouter actor that dies.** Ray restarts it (up to ``ray.max_actor_restarts`` times, from the model folder:
@@ -29,7 +30,8 @@ from tether.distributed.weight_transfer import MiB, WeightPush, put_weights
 from tether.metrics import Reduce, record_metric
 from tether.pipeline.queue import MessageQueue
 from tether.pipeline.rollouter import RolloutError
-from tether.types import Group, Task
+from tether.reward.loop import RewardLoop
+from tether.types import Group, Task, Trajectory
 
 
 class RolloutActorLost(RuntimeError):
@@ -128,12 +130,23 @@ class RolloutHandle:
         """The actor is the driver's to stop (``ray_backend``)."""
 
 
-class RemoteRollouter:
-    """``Rollouter.group`` / ``groups`` in the RolloutWorker; ``greedy`` selects its evaluation rollouter."""
+async def _scored_in_actor(traj: Trajectory) -> None:
+    """``RemoteRollouter.score`` with a teacher: the RolloutWorker's rollouter scores each episode, never this."""
+    raise RuntimeError("the teacher scores episodes in the rollouter actor (RolloutWorker), not in the trainer")
 
-    def __init__(self, handle: RolloutHandle, *, greedy: bool = False):
-        self.handle, self.greedy = handle, greedy
-        self.rewards = None  # the LLM judge's reward loop is not built for backend: ray (refused in Run.build)
+
+class RemoteRollouter:
+    """``Rollouter.group`` / ``groups`` in the RolloutWorker; ``greedy`` selects its evaluation rollouter.
+
+    The judge's reward loop and the teacher score the episodes in the RolloutWorker. Here, as on a local
+    ``Rollouter``, ``rewards`` is the reward loop ``GroupProducer`` settles each group with (the trainer's copy:
+    ``settle`` applies ``reward.on_judge_failure`` to what the actor's loop recorded on the trajectories; it never
+    calls the judge), and ``score`` is set when a teacher scores (``GroupProducer`` only asks whether it is)."""
+
+    def __init__(self, handle: RolloutHandle, *, greedy: bool = False, rewards: RewardLoop | None = None,
+                 teacher: bool = False):
+        self.handle, self.greedy, self.rewards = handle, greedy, rewards
+        self.score = _scored_in_actor if teacher else None
 
     async def group(self, task: Task, group_size: int, seed: int) -> Group:
         return await self._call("group", task, group_size, seed)
@@ -224,8 +237,9 @@ class RayParts:
     def engine(self) -> RolloutHandle:
         return self.handle
 
-    def rollouter(self, *, greedy: bool = False) -> RemoteRollouter:
-        return RemoteRollouter(self.handle, greedy=greedy)
+    def rollouter(self, *, greedy: bool = False, rewards: RewardLoop | None = None,
+                  teacher: bool = False) -> RemoteRollouter:
+        return RemoteRollouter(self.handle, greedy=greedy, rewards=rewards, teacher=teacher)
 
     def make_queue(self, max_size: int, window_size: int | None) -> RemoteQueue:
         """The MessageQueue of the async modes, started as a QueueWorker actor (owned by this, the trainer's,

@@ -72,11 +72,12 @@ class TaskSampler:
 
 class RemoteParts(Protocol):
     """The pieces that run in other processes under ``backend: ray`` (``tether.distributed.remote.RayParts``):
-    a handle on the rollout engine, rollouters and the MessageQueue. None (the local backend): built here."""
+    a handle on the rollout engine, rollouters (the judge's reward loop and the teacher run with their episodes;
+    ``rewards``: the loop that settles the groups here) and the MessageQueue. None (the local backend): built here."""
 
     def engine(self) -> Any: ...
 
-    def rollouter(self, *, greedy: bool = False) -> Any: ...
+    def rollouter(self, *, greedy: bool = False, rewards: Any = None, teacher: bool = False) -> Any: ...
 
     def make_queue(self, max_size: int, window_size: int | None) -> Any: ...
 
@@ -208,7 +209,8 @@ class Run:
             evaluator = _evaluator(cfg, plan, rt, learner, weights,
                                    remote=parts.rollouter(greedy=True) if parts is not None else None)
             closers.append(evaluator.close)
-            teacher = make_teacher(cfg, rt.tokenizer)  # the teacher loop, its tokenizer checked (None: no teacher)
+            # the teacher loop, its tokenizer checked (None: no teacher; under ray it runs in the rollouter actor)
+            teacher = make_teacher(cfg, rt.tokenizer) if parts is None else None
             if teacher is not None:
                 closers.append(teacher.close)
             worker, anti = cfg.rollout.worker, cfg.environment.verifier.anti_hacking
@@ -218,14 +220,8 @@ class Run:
                                   num_workers=worker.num_workers,
                                   score=None if teacher is None else functools.partial(score_trajectory, teacher),
                                   rewards=rt.rewards)
-            if parts is not None:  # backend: ray — the episodes run in the rollouter actor (tether.distributed)
-                if rt.rewards is not None:
-                    raise NotImplementedError("environment.verifier.judge: llm with backend: ray is not built yet "
-                                              "(the rollouter actor would run the reward loop); use backend: local")
-                if teacher is not None:  # the hook: the RolloutWorker would build the teacher and score with it
-                    raise NotImplementedError("a teacher with backend: ray is not built yet (tether/distributed/"
-                                              "actors.py, RolloutWorker); use backend: local")
-                rollouter = parts.rollouter()
+            if parts is not None:  # backend: ray — the episodes, their judge and teacher run in the rollouter actor
+                rollouter = parts.rollouter(rewards=rt.rewards, teacher=cfg.teacher.enabled)  # rewards: settles here
             resume_step = start if ckpt is not None else (-1 if resumed_from_start else None)
             m = cfg.metrics
             recorder = MetricsRecorder(make_sinks(run_dir, tensorboard=m.tensorboard, wandb=m.wandb,
