@@ -12,11 +12,15 @@ whose share of a micro-batch would be empty (fewer trajectories than ranks) runs
 with weight 0: it takes part in the collectives and adds nothing.
 
 ``Ranks()`` is one process (rank 0 of 1): no sharing, no communication, the Learner's single-process path.
+
+``TalliedRanks`` (what ``tether.learner.group`` installs on every rank) counts what the shares held, and may share a
+micro-batch by padded tokens instead (``balanced_parts``: any split of the rows trains the same sum).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,10 @@ class Ranks:
             return parts[self.rank], 1.0
         return mb.slice(0, 1), 0.0
 
+    def parts(self, mb: TrainBatch) -> list[tuple[TrainBatch, float]]:
+        """Every rank's ``share`` of ``mb``, rank by rank (what each rank trains; a rank computes them all alike)."""
+        return [Ranks.share(Ranks(r, self.world), mb) for r in range(self.world)]
+
     def rows(self, start: int, stop: int) -> tuple[int, int]:
         """This rank's consecutive share ``lo, hi`` of the rows ``start:stop`` (near-equal parts, larger first;
         ``lo == hi``: none); ``start, stop`` in one process."""
@@ -78,6 +86,103 @@ class Ranks:
         # no weight anywhere (e.g. no model tokens): the plain mean, as Learner's _weighted_mean takes it
         return {n: [(s / w if w else plain / count, w)]
                 for n, (s, w, plain, count) in zip(names, sums.tolist(), strict=True)}
+
+
+@dataclass
+class ShareTally:
+    """What the ranks' shares held since the last ``take``, as one rank counts them: the model tokens this rank
+    trained (weight 1; a stand-in adds none), and per micro-batch the padded tokens (rows × longest row: what a
+    dense forward computes) of the rank that had the most and the ranks' mean."""
+
+    trained_tokens: float = 0.0
+    slowest: float = 0.0  # Σ over micro-batches of the largest share's padded tokens
+    mean: float = 0.0  # Σ over micro-batches of the shares' mean padded tokens
+
+    def take(self) -> tuple[float, float, float]:
+        """``(trained_tokens, slowest, mean)``, and start again from zero."""
+        out = (self.trained_tokens, self.slowest, self.mean)
+        self.trained_tokens = self.slowest = self.mean = 0.0
+        return out
+
+
+@dataclass(frozen=True)
+class TalliedRanks(Ranks):
+    """``Ranks`` whose ``share`` also counts into ``tally`` (``tether.learner.group`` installs it on every rank for
+    the step's ``optim/trained_tokens`` and ``perf/rank_imbalance``). ``balanced``: shares balanced by padded tokens
+    (``balanced_parts``) instead of consecutive near-equal counts."""
+
+    balanced: bool = False
+    tally: ShareTally = field(default_factory=ShareTally, compare=False, repr=False)
+
+    def parts(self, mb: TrainBatch) -> list[tuple[TrainBatch, float]]:
+        return balanced_parts(mb, self.world) if self.balanced and self.sharded else super().parts(mb)
+
+    def share(self, mb: TrainBatch) -> tuple[TrainBatch, float]:
+        parts = self.parts(mb)
+        cost = [float(len(part) * part.input_ids.shape[1]) for part, _ in parts]  # padded tokens
+        self.tally.slowest += max(cost)
+        self.tally.mean += sum(cost) / len(cost)
+        mine, weight = parts[self.rank]
+        self.tally.trained_tokens += float(mine.loss_mask.sum()) * weight
+        return mine, weight
+
+
+def balanced_parts(mb: TrainBatch, world: int) -> list[tuple[TrainBatch, float]]:
+    """``world`` shares of ``mb``'s trajectories that even out the padded tokens a share forwards (rows × its longest
+    row): the trajectories sorted by their longest row (longest first) and cut into consecutive runs, the largest run
+    cost as small as it can be (a binary search over it; a run that starts at a longer trajectory holds fewer rows).
+    Similar lengths land together, so a share pads little. With fewer trajectories than ranks, the others get a
+    weight-0 stand-in (as ``Ranks.share``)."""
+    if mb.traj_index is None:
+        owners = list(range(len(mb)))
+    else:
+        owners = mb.traj_index.tolist()
+    lengths = mb.attention_mask.sum(dim=1).tolist()  # [B] real tokens per row
+    rows: dict[int, list[int]] = {}
+    for row, owner in enumerate(owners):
+        rows.setdefault(owner, []).append(row)
+    trajs = sorted(rows.values(), key=lambda r: -max(lengths[i] for i in r))  # stable: ties keep their order
+    longest = [max(lengths[i] for i in r) for r in trajs]
+
+    def cut(cap: float) -> list[int]:
+        """Where each run starts when no run may pad to more than ``cap`` tokens (a run holds at least one)."""
+        starts, i = [], 0
+        while i < len(trajs):
+            starts.append(i)
+            n_rows, j = len(trajs[i]), i + 1
+            while j < len(trajs) and (n_rows + len(trajs[j])) * longest[i] <= cap:
+                n_rows += len(trajs[j])
+                j += 1
+            i = j
+        return starts
+
+    n = min(world, len(trajs))
+    lo, hi = 1, len(mb) * longest[0]  # hi: everything in one run
+    while lo < hi:  # the smallest cap that needs at most n runs
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(cut(mid)) <= n else (mid + 1, hi)
+    starts = cut(lo)
+    while len(starts) < n:  # fewer runs than ranks: split the run with the most trajectories
+        bounds = [*starts, len(trajs)]
+        k = max(range(len(starts)), key=lambda k: bounds[k + 1] - bounds[k])
+        starts.insert(k + 1, (bounds[k] + bounds[k + 1] + 1) // 2)
+    bounds = [*starts, len(trajs)]
+    parts = [(take_rows(mb, [i for t in trajs[a:b] for i in t]), 1.0) for a, b in zip(bounds, bounds[1:])]
+    return parts + [(mb.slice(0, 1), 0.0)] * (world - len(parts))
+
+
+def take_rows(mb: TrainBatch, rows: list[int]) -> TrainBatch:
+    """The rows ``rows`` of ``mb`` (in that order), trimmed to their own longest sequence."""
+    index = torch.tensor(rows, dtype=torch.long)
+    length = int(mb.attention_mask[index].sum(dim=1).max())
+
+    def cut(value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is None:
+            return None
+        return value[index] if value.dim() == 1 else value[index, :length]
+
+    parts: dict[str, Any] = {f.name: cut(getattr(mb, f.name)) for f in fields(mb)}
+    return TrainBatch(**parts)
 
 
 def _comm_device() -> torch.device:
