@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import statistics
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tether.threads import torch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stage_timers import STAGES, TRAINER_STAGES, Flops, Timers, attach, matmul_gflops  # noqa: E402
@@ -134,16 +135,6 @@ def profile(model: str | None, steps: int, warmup: int, overrides: list[str], ru
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Any:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def threads_of(stage: str, rows: list[dict[str, Any]]) -> int:
