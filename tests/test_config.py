@@ -374,8 +374,6 @@ BAD = [
     ("mixed_classes", {"c.yaml": "trainer: {class: Trainer}\nrollouter: {class: FullyAsyncRollouter}\n"}, [],
      ["`trainer.class` = 'Trainer' (c.yaml)", "`rollouter.class` = 'FullyAsyncRollouter' (c.yaml)",
       "name one pipeline", "Trainer + Rollouter run sync"]),
-    ("ray_nccl", {"ok.yaml": "backend: ray\n"}, ["ray.weight_transfer=nccl"],
-     ["`ray.weight_transfer` = 'nccl' (--set): not supported yet", "NCCL broadcast of weights is not built"]),
 ]
 
 

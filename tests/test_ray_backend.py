@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, SEEDS, SMALL_RUN, read_rows
-from tether.config import ConfigError, load_config
+from tether.config import load_config
 from tether.config.plan import Plan
 from tether.distributed.envvars import actor_env_names, actor_env_vars, runtime_env
 from tether.distributed.placement import PoolTooLarge, check_pools
@@ -61,11 +61,10 @@ def test_the_actors_environment_names_the_secrets_variables_tether_vars_and_extr
     assert runtime_env(actor_env_vars(Plan.of(cfg).secret_variables)) == {"env_vars": {"OMP_NUM_THREADS": "1"}}
 
 
-def test_nccl_weight_transfer_is_refused_at_load_and_the_seeds_pools_load(tmp_path):
+def test_nccl_weight_transfer_loads_and_the_seeds_pools_load(tmp_path):
     import yaml
 
-    with pytest.raises(ConfigError, match=r"`ray.weight_transfer` = 'nccl'.*not supported yet"):
-        load_config([], ["ray.weight_transfer=nccl"])
+    assert load_config([], ["backend=ray", "ray.weight_transfer=nccl"]).ray.weight_transfer == "nccl"  # built now
     pools = tmp_path / "pools.yaml"  # the seed file's resource_pool section (its actor_worker is another feature)
     pools.write_text(yaml.safe_dump({"resource_pool": yaml.safe_load((SEEDS / "separation_config.yaml").read_text())
                                      ["resource_pool"]}))

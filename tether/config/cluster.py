@@ -50,8 +50,11 @@ class RayConfig(Section):
     reference (``llm_client.api_key: ${VAR}``), every ``TETHER_*`` variable and the thread-count variables — an
     actor on an existing cluster does not inherit this process's environment (the source document's 401 case)."""
     weight_transfer: Literal["object_store", "nccl"] = "object_store"
-    """How the trainer's weights reach the rollout engine: object_store (CPU tensors through the Ray object store,
-    in buckets). nccl (a torch.distributed broadcast between GPUs) is not built yet and is refused at load."""
+    """How the trainer's weights reach the rollout engine, in buckets of ``ray.weight_bucket_mb``: object_store (CPU
+    tensors through the Ray object store) or nccl (a torch.distributed broadcast from the trainer to the rollouter
+    actor in a process group of their own: NCCL when both hold GPUs, gloo on CPUs, through the same code; a
+    restarted rollouter catches up through the object store). ``perf/weight_sync_mb`` and ``perf/weight_sync_s``
+    measure either; ``ray/weight_group_joins`` counts the broadcast groups made."""
     weight_bucket_mb: PosFloat = 256.0
     """Size of one weight bucket, in MiB: the state dict is put into the object store in buckets of at most this
     many bytes (one tensor larger than a bucket is a bucket of its own); ``perf/weight_sync_buckets`` counts them."""

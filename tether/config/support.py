@@ -2,7 +2,7 @@
 
 Every key of the seed configs has a typed field (so ``tether config --explain`` can describe it and the
 builder of the feature finds its shape ready), but a key that would change nothing must not be accepted
-silently: a user who sets ``ray.weight_transfer: nccl`` and gets the object store has been lied to. A refused
+silently: a user who sets ``actor_worker.strategy: megatron`` and gets FSDP2 has been lied to. A refused
 key is one *set* in a file or by ``--set``; its default is harmless and stays in ``RunConfig`` (dumps leave out
 the sections refused whole, so a dumped config loads back).
 """
@@ -30,8 +30,6 @@ UNSUPPORTED: tuple[NotBuilt, ...] = (
     NotBuilt(("actor_worker", "strategy"), "the trainer shards its model with FSDP2 only (tether.learner.fsdp); "
                                            "use `actor_worker.strategy: fsdp2` (or `fsdp`, the same) or `none`",
              lambda v: v in ("veOmni", "megatron")),
-    NotBuilt(("ray", "weight_transfer"), "the NCCL broadcast of weights is not built (it needs GPUs to test); use "
-                                         "`ray.weight_transfer: object_store`", lambda v: v == "nccl"),
 )
 
 REFUSED_SECTIONS: frozenset[str] = frozenset(n.key[0] for n in UNSUPPORTED if len(n.key) == 1 and n.refuses is None)

@@ -33,10 +33,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from tether.config import RunConfig
 from tether.distributed.envvars import apply_env
 from tether.distributed.remote import RayParts
-from tether.distributed.weight_transfer import unpack_buckets
+from tether.distributed.weight_transfer import BucketLayout, WeightGroup, unpack_buckets
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.rollouter import Rollouter, RolloutError
 from tether.pipeline.trainer import train
@@ -99,6 +101,8 @@ class RolloutWorker:
         self.token, self.version = 0, 0  # token 0: the weights of the model folder (weight_transfer.py)
         self.in_flight = 0
         self._update_lock = asyncio.Lock()
+        self.weights_group: WeightGroup | None = None  # ray.weight_transfer nccl: the broadcast group with the trainer
+        self.loads: Counter[str] = Counter()  # weight loads by path: object_store, broadcast
 
     async def group(self, token: int, task: Task, size: int, seed: int) -> tuple[str, Any, list[Event]]:
         """("ok", Group, events), ("failed", (message, cause), events) or ("behind", token held, [])."""
@@ -125,20 +129,50 @@ class RolloutWorker:
         async with self._update_lock:
             if token > self.token:
                 buckets = await asyncio.gather(*refs)
-                await asyncio.to_thread(self.rt.engine.update_weights, unpack_buckets(list(buckets)), version)
-                self.token, self.version = token, version
+                await self._load(unpack_buckets(list(buckets)), token, version, "object_store")
         return self.token
+
+    def weight_group(self) -> tuple[str | None, bool]:
+        """The broadcast group this incarnation is in (None: none yet), and whether it has a GPU (NCCL)."""
+        return (self.weights_group.name if self.weights_group is not None else None), torch.cuda.is_available()
+
+    async def join_weight_group(self, host: str, port: int, name: str, backend: str, timeout_s: float) -> None:
+        """Join the trainer's group ``name`` as rank 1 (off the event loop: it returns once both are in)."""
+        group = await asyncio.to_thread(WeightGroup.join, host, port, name, backend, timeout_s)
+        if self.weights_group is not None:
+            self.weights_group.close()
+        self.weights_group = group
+
+    async def receive_weights(self, token: int, version: int, group: str, layouts: list[BucketLayout]) -> int:
+        """Receive push ``token``, which the trainer broadcasts in ``group`` as laid out by ``layouts`` — always,
+        or the broadcast would hang — and load it unless a push as new is held; returns the token held."""
+        if self.weights_group is None or self.weights_group.name != group:
+            held = self.weights_group.name if self.weights_group is not None else None
+            raise RuntimeError(f"weights broadcast in group {group!r}, but this actor is in group {held!r}")
+        async with self._update_lock:
+            state_dict = await asyncio.to_thread(self.weights_group.receive, layouts)
+            if token > self.token:
+                await self._load(state_dict, token, version, "broadcast")
+        return self.token
+
+    async def _load(self, state_dict: dict[str, torch.Tensor], token: int, version: int, path: str) -> None:
+        await asyncio.to_thread(self.rt.engine.update_weights, state_dict, version)
+        self.token, self.version = token, version
+        self.loads[path] += 1
 
     def stats(self) -> Counter[str]:
         """The engine's counters (``busy_s``, tokens, …) and this actor's: weights token and version, calls in
         flight, pid. A Counter, as the engine's: a count not made yet reads 0."""
         return Counter({**self.rt.engine.stats, "token": self.token, "version": self.version,
-                        "in_flight": self.in_flight, "pid": os.getpid()})
+                        "in_flight": self.in_flight, "pid": os.getpid(),
+                        **{f"weight_loads_{path}": n for path, n in self.loads.items()}})
 
     def env_present(self, names: list[str]) -> dict[str, bool]:
         return env_present(names)
 
     def close(self) -> None:
+        if self.weights_group is not None:
+            self.weights_group.close()
         if self.teacher is not None:
             self.teacher.close()
         self.rt.close()

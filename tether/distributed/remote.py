@@ -3,7 +3,8 @@
 ``Run.build`` takes them through ``parts`` (``RayParts``) where the local backend builds its own:
 
 - ``RolloutHandle`` for the rollout engine: ``update_weights`` puts the weights into the object store in buckets
-  and has the RolloutWorker load them (``weight_transfer.py``); ``stats`` is the engine's.
+  and has the RolloutWorker load them, or broadcasts the buckets to it (``ray.weight_transfer: nccl``; both in
+  ``weight_transfer.py``); ``stats`` is the engine's.
 - ``RemoteRollouter`` for the ``Rollouter``: ``group`` / ``groups`` run in the RolloutWorker, and with them the LLM
   judge's reward loop and the teacher; the trainer settles judge failures (``reward.on_judge_failure``).
 - ``RemoteQueue`` for the ``MessageQueue`` (async modes): the same methods, in a QueueWorker actor.
@@ -14,8 +15,10 @@ again — the same task, step, index and seed, so the same group — once the ac
 latest weights. The producer and its ledger (``pipeline/ledger.py``) never see the failure, so each group still
 reaches the queue, and the trainer, exactly once; ``ray/requeued_calls`` counts the calls made again,
 ``ray/actor_restarts`` the restarts and ``ray/weight_catch_ups`` the pushes sent again to an actor that lacked the
-latest weights (a new incarnation, or a push cut short). When the restarts are spent, ``RolloutActorLost`` ends the
-run like any failure of the rollouter (the last checkpoint stands; ``--resume`` continues).
+latest weights (a new incarnation, or a push cut short) — under ``nccl`` through the object store, and the next
+push makes a new broadcast group with the new incarnation (``ray/weight_group_joins``). When the restarts are
+spent, ``RolloutActorLost`` ends the run like any failure of the rollouter (the last checkpoint stands;
+``--resume`` continues).
 """
 
 from __future__ import annotations
@@ -25,8 +28,21 @@ import threading
 import time
 from typing import Any, cast
 
+import torch
+
 from tether.config.cluster import RayConfig
-from tether.distributed.weight_transfer import MiB, WeightPush, put_weights
+from tether.distributed.weight_transfer import (
+    BucketLayout,
+    MiB,
+    WeightGroup,
+    WeightPush,
+    cut_buckets,
+    flatten,
+    host_store,
+    put_buckets,
+    put_weights,
+    unflatten,
+)
 from tether.metrics import Reduce, record_metric
 from tether.pipeline.queue import MessageQueue
 from tether.pipeline.rollouter import RolloutError
@@ -45,28 +61,38 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
 
 
 class RolloutHandle:
-    """The rollout engine as the trainer sees it (``WeightSync`` pushes to it, ``step_metrics`` reads ``stats``)."""
+    """The rollout engine as the trainer sees it (``WeightSync`` pushes to it, ``step_metrics`` reads ``stats``).
 
-    def __init__(self, actor: Any, bucket_bytes: int, max_restarts: int):
+    ``transfer``: ``ray.weight_transfer`` — ``object_store``, or ``nccl``: a broadcast in a ``WeightGroup`` whose
+    store this process hosts, made at the first push and again for each new incarnation of the actor."""
+
+    def __init__(self, actor: Any, bucket_bytes: int, max_restarts: int, transfer: str = "object_store",
+                 timeout_s: float = 600.0):
         self.actor, self.bucket_bytes, self.max_restarts = actor, bucket_bytes, max_restarts
+        self.transfer, self.timeout_s = transfer, timeout_s
+        self.token = 0  # the latest push's (0: none yet)
         self.latest: WeightPush | None = None  # held, so that its buckets stay in the object store
         self._tokens = 0
         self._lock = threading.Lock()
         self._pid: int | None = None
         self.restarts = 0
-
-    @property
-    def token(self) -> int:
-        push = self.latest
-        return push.token if push is not None else 0
+        self._push_lock = threading.Lock()  # nccl: one broadcast at a time, and a catch-up waits for it
+        self._sent: tuple[int, int, list[BucketLayout], list[torch.Tensor]] | None = None  # the latest broadcast
+        self._store: Any = None  # nccl: the groups' TCPStore, hosted here (host, store)
+        self._host = ""
+        self._group: WeightGroup | None = None
+        self._groups = 0
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        if self.transfer == "nccl":
+            self._broadcast(state_dict, version)
+            return
         import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         with self._lock:
             self._tokens += 1
             push = put_weights(state_dict, self._tokens, version, self.bucket_bytes)
-            self.latest = push
+            self.latest, self.token = push, push.token
         record_metric("perf/weight_sync_buckets", len(push.refs), "sum")
         record_metric("perf/weight_sync_mb", push.nbytes / MiB, "sum")
         while True:
@@ -77,11 +103,88 @@ class RolloutHandle:
                 self.wait_alive()
                 record_metric("ray/weight_catch_ups", 1, "sum")
 
+    def _broadcast(self, state_dict: dict[str, Any], version: int) -> None:
+        """Tell the actor what comes (token, version, layout), then broadcast the buckets to it."""
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
+
+        names = cut_buckets(state_dict, self.bucket_bytes)
+        with self._push_lock:
+            with self._lock:
+                self._tokens += 1
+                token = self.token = self._tokens
+            nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+            record_metric("perf/weight_sync_buckets", len(names), "sum")
+            record_metric("perf/weight_sync_mb", nbytes / MiB, "sum")
+            while True:
+                try:
+                    group = self._group_for(next(iter(state_dict.values())).device)
+                    layouts, buffers = zip(*[flatten({n: state_dict[n] for n in bucket}, group.device)
+                                             for bucket in names], strict=True)
+                    self._sent = (token, version, list(layouts), list(buffers))
+                    self.latest = None  # an object-store copy of an older push: dropped
+                    done = self.actor.receive_weights.remote(token, version, group.name, layouts)
+                    try:
+                        group.send(list(buffers))
+                    except RuntimeError:  # the peer is gone (gloo says so at once) or the broadcast timed out
+                        ray.get(done)  # the actor's side says why: RayActorError when it died
+                        raise
+                    ray.get(done)
+                    return
+                except _actor_errors():  # a new incarnation: a new group, and this push again
+                    self.wait_alive()
+                    record_metric("ray/weight_catch_ups", 1, "sum")
+
+    def _group_for(self, device: torch.device) -> WeightGroup:
+        """The group with the actor's current incarnation; made (joined by the actor) when it has none."""
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
+        from ray.util import get_node_ip_address  # noqa: PLC0415 — as above
+
+        name, cuda = ray.get(self.actor.weight_group.remote())
+        if self._group is not None and name == self._group.name:
+            return self._group
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        if self._store is None:
+            self._host = get_node_ip_address()
+            self._store = host_store(self._host, self.timeout_s)
+        backend = "nccl" if device.type == "cuda" and cuda and torch.distributed.is_nccl_available() else "gloo"
+        self._groups += 1
+        name = f"tether-weights-{self._groups}"
+        joined = self.actor.join_weight_group.remote(self._host, self._store.port, name, backend, self.timeout_s)
+        try:
+            group = WeightGroup(self._store, name, 0, backend, self.timeout_s, device if backend == "nccl" else None)
+        except RuntimeError:  # the actor did not join in time: its side says why
+            ray.get(joined)
+            raise
+        ray.get(joined)
+        record_metric("ray/weight_group_joins", 1, "sum")
+        self._group = group
+        return group
+
     async def catch_up(self) -> None:
-        """Send the latest push (the actor ignores one it already holds)."""
-        push = self.latest
+        """Send the latest push (the actor ignores one it already holds). Under ``nccl``: once a broadcast in
+        progress has ended (it may be what the actor lacks), through the object store if the actor still lacks it."""
+        if self.transfer == "nccl":
+            push = await asyncio.to_thread(self._object_store_copy)
+        else:
+            push = self.latest
         if push is not None:
             await self.actor.update_weights.remote(push.token, push.version, push.refs)
+
+    def _object_store_copy(self) -> WeightPush | None:
+        """The latest broadcast put into the object store (once per push), or None when the actor holds it."""
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
+
+        with self._push_lock:
+            sent = self._sent
+            if sent is None or ray.get(self.actor.stats.remote())["token"] >= sent[0]:
+                return None
+            token, version, layouts, buffers = sent
+            if self.latest is None or self.latest.token != token:
+                self.latest = put_buckets([unflatten(layout, buffer.cpu()) for layout, buffer in
+                                           zip(layouts, buffers, strict=True)], token, version)
+            return self.latest
 
     def wait_alive(self, timeout_s: float = 600.0) -> None:
         """Block until the actor answers again (restarted), counting the restart. ``RolloutActorLost`` once Ray
@@ -127,7 +230,11 @@ class RolloutHandle:
                 self.wait_alive()
 
     def close(self) -> None:
-        """The actor is the driver's to stop (``ray_backend``)."""
+        """The broadcast group ends here; the actor is the driver's to stop (``ray_backend``)."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self._store = None
 
 
 async def _scored_in_actor(traj: Trajectory) -> None:
@@ -230,7 +337,7 @@ class RayParts:
 
     def __init__(self, ray_cfg: RayConfig, rollout_actor: Any, queue_options: dict[str, Any] | None = None):
         self.handle = RolloutHandle(rollout_actor, max(1, int(ray_cfg.weight_bucket_mb * MiB)),
-                                    ray_cfg.max_actor_restarts)
+                                    ray_cfg.max_actor_restarts, ray_cfg.weight_transfer)
         self.queue_options = queue_options or {}
         self.queue_actor: Any = None
 

@@ -1,43 +1,66 @@
-"""Weights from the trainer to the rollout engine through the Ray object store, in buckets, versioned.
+"""Weights from the trainer to the rollout engine, in buckets, versioned: through the Ray object store, or by a
+``torch.distributed`` broadcast (``ray.weight_transfer``).
 
-The trainer packs its state dict (CPU tensors) into buckets of at most ``ray.weight_bucket_mb`` MiB — a tensor
-larger than a bucket is a bucket of its own — and puts each into the object store; the rollouter actor fetches the
-buckets and loads them into its engine as one update, at the engine's next step boundary (``LocalEngine.
-update_weights``). verl streams its weights the same way (``update_weights_bucket_megabytes``), over NCCL/CUDA IPC
-on GPUs; the ``torch.distributed`` broadcast path (``ray.weight_transfer: nccl``) is refused at load until it can
-be tested on GPUs.
+**object_store** (the default). The trainer packs its state dict (CPU tensors) into buckets of at most
+``ray.weight_bucket_mb`` MiB — a tensor larger than a bucket is a bucket of its own — and puts each into the object
+store; the rollouter actor fetches the buckets and loads them into its engine as one update, at the engine's next
+step boundary (``LocalEngine.update_weights``).
+
+**nccl**. The same buckets, each flattened into one byte buffer (``flatten``: every tensor at a 16-byte-aligned
+offset, so its slice views back as its dtype), are broadcast from the trainer (rank 0) to the rollouter actor
+(rank 1) in a process group of those two members (``WeightGroup``), made on a ``TCPStore`` the trainer hosts —
+never ``torch.distributed``'s default group, which the trainer may hold for its own FSDP ranks and the actor has
+none of. NCCL when the trainer's weights are on a GPU and the actor has one, gloo otherwise: the same code, the
+backend chosen per group. Before the buffers, a Ray call tells the actor the push's token, version and the bucket
+layout (names, shapes, dtypes, offsets), so it can allocate what it receives into. verl broadcasts its weights the
+same way (``update_weights_bucket_megabytes``, NCCL between the actor and the rollout GPUs). NCCL needs the two
+ranks on different GPUs (separate ``resource_pool`` GPUs); only the gloo path has been run here (a CPU machine).
 
 Every push carries a **token** (1, 2, …; 0 = the weights the actor loaded from the model folder) besides the
 parameter version: a version may be pushed twice (a resume pushes the checkpoint's weights under the version they
 already had), a token never. The rollouter actor applies a push only when its token is newer than the one it holds,
 and refuses to generate with any token but the trainer's latest: a restarted actor, or one that missed a push,
-catches up to the latest weights before its next rollout (``RemoteEngine.catch_up``).
+catches up to the latest weights before its next rollout (``RemoteEngine.catch_up``) — under ``nccl`` through the
+object store (the trainer keeps the latest buffers), while the next push makes a new group with the new incarnation
+(``ray/weight_group_joins``).
 """
 
 from __future__ import annotations
 
+import datetime
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 MiB = 1024 * 1024
+ALIGN = 16
+"""Bytes: each tensor starts at a multiple of this in its bucket's buffer (``Tensor.view(dtype)`` needs its offset
+to be a multiple of the dtype's size)."""
+
+
+def cut_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """The state dict's names in order, cut into buckets of at most ``bucket_bytes`` bytes (a larger tensor alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[str]] = []
+    size = bucket_bytes  # forces a new bucket for the first tensor
+    for name, tensor in state_dict.items():
+        n = tensor.numel() * tensor.element_size()
+        if size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += n
+    return buckets
 
 
 def pack_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """The state dict in order, cut into buckets of at most ``bucket_bytes`` bytes (a larger tensor alone)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    buckets: list[dict[str, torch.Tensor]] = []
-    size = bucket_bytes  # forces a new bucket for the first tensor
-    for name, tensor in state_dict.items():
-        t = tensor.detach().to("cpu").contiguous()
-        n = t.numel() * t.element_size()
-        if size + n > bucket_bytes:
-            buckets.append({})
-            size = 0
-        buckets[-1][name] = t
-        size += n
-    return buckets
+    """``cut_buckets``'s buckets of contiguous CPU tensors (what the object store path puts)."""
+    return [{name: state_dict[name].detach().to("cpu").contiguous() for name in names}
+            for names in cut_buckets(state_dict, bucket_bytes)]
 
 
 def unpack_buckets(buckets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -55,9 +78,119 @@ class WeightPush:
         self.token, self.version, self.refs, self.nbytes = token, version, refs, nbytes
 
 
-def put_weights(state_dict: dict[str, torch.Tensor], token: int, version: int, bucket_bytes: int) -> WeightPush:
+def put_buckets(buckets: list[dict[str, torch.Tensor]], token: int, version: int) -> WeightPush:
     import ray  # noqa: PLC0415 — the optional extra ``ray``
 
-    buckets = pack_buckets(state_dict, bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
     return WeightPush(token, version, [ray.put(b) for b in buckets], nbytes)
+
+
+def put_weights(state_dict: dict[str, torch.Tensor], token: int, version: int, bucket_bytes: int) -> WeightPush:
+    return put_buckets(pack_buckets(state_dict, bucket_bytes), token, version)
+
+
+# ------------------------------------------------------------------------------------------- the broadcast (nccl)
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    """Bytes from the start of the bucket's buffer (a multiple of ``ALIGN``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """What the receiver needs to allocate one bucket's buffer and read its tensors back out of it."""
+
+    slots: tuple[Slot, ...]
+    nbytes: int
+    """The buffer's size (the tensors' bytes and the alignment padding)."""
+
+
+def flatten(bucket: dict[str, torch.Tensor], device: torch.device) -> tuple[BucketLayout, torch.Tensor]:
+    """One bucket as one uint8 buffer on ``device``, and its layout."""
+    slots, offset = [], 0
+    for name, t in bucket.items():
+        slots.append(Slot(name, tuple(t.shape), t.dtype, offset))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    for slot, t in zip(slots, bucket.values(), strict=True):
+        buffer[slot.offset: slot.offset + slot.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return BucketLayout(tuple(slots), offset), buffer
+
+
+def unflatten(layout: BucketLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The bucket's tensors, as views into ``buffer``."""
+    return {s.name: buffer[s.offset: s.offset + s.nbytes].view(s.dtype).reshape(s.shape) for s in layout.slots}
+
+
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store the trainer hosts for its weight groups, on a port the OS picks (``store.port``)."""
+    return dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class WeightGroup:
+    """One member of a two-member process group that broadcasts weights from rank 0 (the trainer) to rank 1 (the
+    rollouter actor). Both members construct it at once: the constructor returns when the other has joined.
+
+    ``store``: the trainer's ``host_store``, or on the actor a client of it (``join``); ``name`` keeps the keys of
+    one group apart from the groups made before it on the same store (one per actor incarnation); ``device`` (NCCL
+    only): the GPU the buffers live on, by default the current one."""
+
+    def __init__(self, store: dist.Store, name: str, rank: int, backend: str, timeout_s: float,
+                 device: torch.device | None = None):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(name, store)
+        self.pg: Any
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            options.is_high_priority_stream = False
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
+        elif backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+            self.device = torch.device("cpu")
+        else:
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.store, self.name, self.rank, self.backend = store, name, rank, backend
+
+    @classmethod
+    def join(cls, host: str, port: int, name: str, backend: str, timeout_s: float) -> WeightGroup:
+        """Rank 1: connect to the trainer's store at ``host:port`` and join group ``name``."""
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+        return cls(store, name, 1, backend, timeout_s)
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self.pg.broadcast([buffer], options).wait()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":  # an NCCL wait() orders the streams only: the host waits here
+            torch.cuda.synchronize(self.device)
+
+    def send(self, buffers: list[torch.Tensor]) -> None:
+        """Rank 0: broadcast the buffers, one after the other."""
+        for buffer in buffers:
+            self._broadcast(buffer)
+        self._synchronize()
+
+    def receive(self, layouts: list[BucketLayout]) -> dict[str, torch.Tensor]:
+        """Rank 1: receive the buffers ``send`` broadcasts, laid out by ``layouts``; the state dict they hold."""
+        state_dict: dict[str, torch.Tensor] = {}
+        for layout in layouts:
+            buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer)
+            state_dict.update(unflatten(layout, buffer))
+        self._synchronize()
+        return state_dict
+
+    def close(self) -> None:
+        self.pg.shutdown()
