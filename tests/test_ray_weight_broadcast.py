@@ -152,3 +152,48 @@ def test_after_every_broadcast_the_rollout_engine_holds_the_trainers_weights(clu
         assert a["perf/weight_sync_mb"] == b["perf/weight_sync_mb"] > 0.5
         assert a["perf/weight_sync_s"] > 0 and b["perf/weight_sync_s"] > 0
         assert a["optim/loss"] == pytest.approx(b["optim/loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_restarted_rollout_actor_catches_up_through_the_object_store_and_joins_a_new_group(cluster, tiny_model,
+                                                                                             tmp_path, monkeypatch):
+    """The rollouter actor is killed while step 2's groups are in flight in it: Ray restarts it (token 0); it
+    catches up to push 1 through the object store, and push 2 is broadcast in a second group made with the new
+    incarnation. Every load, on either path, equals the trainer's weights of its version exactly."""
+    import threading
+    import time
+
+    import ray
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(tmp_path, tiny_model, "ray.weight_transfer=nccl", "engine.max_tokens=48")  # long calls: see below
+    actors: dict = {}
+    killed: dict = {}
+
+    def kill_mid_step_2() -> None:
+        """Once step 1 is logged (push 1 loaded), kill the actor while groups are in flight in it (48 tokens: a
+        group call lasts several times the stats → kill round trip, as in test_ray_failures)."""
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline:
+            if "rollout" in actors and (run_dir / "metrics.jsonl").is_file() and len(read_rows(run_dir)) >= 2:
+                stats = ray.get(actors["rollout"].stats.remote())
+                if stats["in_flight"] > 0:
+                    killed.update(stats)
+                    ray.kill(actors["rollout"], no_restart=False)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_mid_step_2, daemon=True)
+    killer.start()
+    loads = _train(cfg, run_dir, monkeypatch, on_start=actors.update)
+    killer.join(timeout=5)
+    assert killed["token"] == 1 and killed["in_flight"] > 0
+    assert sorted(loads) == ["broadcast_v1_t1", "broadcast_v2_t2", "broadcast_v3_t3", "object_store_v1_t1"]
+    for name, weights in loads.items():
+        assert _same_as_trainer(weights, _checkpoint(run_dir, int(name.split("_v")[1][0]))) == 0.0, name
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    total = {k: sum(r.get(k, 0) for r in rows) for k in ("ray/actor_restarts", "ray/weight_group_joins",
+                                                          "ray/weight_catch_ups")}
+    assert total["ray/actor_restarts"] == 1 and total["ray/weight_group_joins"] == 2  # at push 1, and push 2
+    assert total["ray/weight_catch_ups"] >= 1
