@@ -78,7 +78,7 @@ class RolloutHandle:
         self.restarts = 0
         self._push_lock = threading.Lock()  # nccl: one broadcast at a time, and a catch-up waits for it
         self._sent: tuple[int, int, list[BucketLayout], list[torch.Tensor]] | None = None  # the latest broadcast
-        self._store: Any = None  # nccl: the groups' TCPStore, hosted here (host, store)
+        self._store: Any = None  # nccl: the groups' TCPStore, hosted here on self._host
         self._host = ""
         self._group: WeightGroup | None = None
         self._groups = 0
@@ -181,9 +181,10 @@ class RolloutHandle:
             if sent is None or ray.get(self.actor.stats.remote())["token"] >= sent[0]:
                 return None
             token, version, layouts, buffers = sent
-            if self.latest is None or self.latest.token != token:
-                self.latest = put_buckets([unflatten(layout, buffer.cpu()) for layout, buffer in
-                                           zip(layouts, buffers, strict=True)], token, version)
+            if self.latest is None or self.latest.token != token:  # copies, not views: a pickled view carries
+                buckets = [{k: v.clone() for k, v in unflatten(layout, buffer.cpu()).items()}  # its whole buffer
+                           for layout, buffer in zip(layouts, buffers, strict=True)]
+                self.latest = put_buckets(buckets, token, version)
             return self.latest
 
     def wait_alive(self, timeout_s: float = 600.0) -> None:

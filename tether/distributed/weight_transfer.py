@@ -12,7 +12,11 @@ offset, so its slice views back as its dtype), are broadcast from the trainer (r
 never ``torch.distributed``'s default group, which the trainer may hold for its own FSDP ranks and the actor has
 none of. NCCL when the trainer's weights are on a GPU and the actor has one, gloo otherwise: the same code, the
 backend chosen per group. Before the buffers, a Ray call tells the actor the push's token, version and the bucket
-layout (names, shapes, dtypes, offsets), so it can allocate what it receives into. verl broadcasts its weights the
+layout (names, shapes, dtypes, offsets), so it can allocate what it receives into; the trainer sends that call
+without waiting, broadcasts, then waits for its answer, and the actor receives on a thread of its own, never on its
+event loop: neither side waits on something only the other's blocked half could do. An actor that dies mid-push
+fails the broadcast (gloo says so at once; NCCL after the group's timeout) and the push is made again to its next
+incarnation. verl broadcasts its weights the
 same way (``update_weights_bucket_megabytes``, NCCL between the actor and the rollout GPUs). NCCL needs the two
 ranks on different GPUs (separate ``resource_pool`` GPUs); only the gloo path has been run here (a CPU machine).
 
@@ -20,9 +24,12 @@ Every push carries a **token** (1, 2, …; 0 = the weights the actor loaded from
 parameter version: a version may be pushed twice (a resume pushes the checkpoint's weights under the version they
 already had), a token never. The rollouter actor applies a push only when its token is newer than the one it holds,
 and refuses to generate with any token but the trainer's latest: a restarted actor, or one that missed a push,
-catches up to the latest weights before its next rollout (``RemoteEngine.catch_up``) — under ``nccl`` through the
-object store (the trainer keeps the latest buffers), while the next push makes a new group with the new incarnation
-(``ray/weight_group_joins``).
+catches up to the latest weights before its next rollout (``RolloutHandle.catch_up``). Under ``nccl`` it catches up
+through the object store — the trainer keeps the latest push's buffers (on a GPU: one more copy of the weights in
+its memory) and puts them there when a catch-up asks — and the next push makes a new group with the new
+incarnation (``ray/weight_group_joins``; a group cannot take in a new process). Both paths record
+``perf/weight_sync_buckets`` and ``perf/weight_sync_mb`` per sync (``WeightSync`` the seconds,
+``perf/weight_sync_s``).
 """
 
 from __future__ import annotations
