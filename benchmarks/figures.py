@@ -319,6 +319,11 @@ REGISTRY: list[Figure] = [
            "checkpoint (printed table below; one run each, so a few points are noise)",
            "python benchmarks/policy_optim_ablation.py", ablation, 12, quick="--steps 4",
            block=block_from("variant")),
+    Figure("trainer-ranks", "the demo's learner step on 1 vs 2 trainer ranks (gloo on CPU, rank 1 spawned running "
+           "`follow`): the same 2 cores as 1 rank × 2 threads or 2 ranks × 1 thread, so the ideal step ratio is 1×; "
+           "the demo's model and one 4× wider, synthetic batches of the demo's shape (printed table below)",
+           "python benchmarks/trainer_ranks.py", last_line("2 ranks ÷ 1 rank"), 15, quick="--steps 1 --models demo",
+           block=block_from("model")),
 ]
 
 

@@ -315,7 +315,8 @@ def render(results: list[dict[str, Any]]) -> str:
                       f"{most(two, 'added') / most(one, 'added'):.2f}×, weights + AdamW per rank "
                       f"{held[1] / held[0]:.2f}×")
         if single := next((r for r in mine if r["ranks"] == 1 and r_threads(r) == r_threads(two)), None):
-            ratios[-1] += f" (step {two['step_s_median'] / single['step_s_median']:.2f}× one rank's on one thread)"
+            ratios[-1] += (f" (vs 1 rank on 1 thread: step {two['step_s_median'] / single['step_s_median']:.2f}×, "
+                           f"CPU s {cpu[1] / sum(p['cpu_s'] for p in single['per_rank']):.2f}×)")
     lines.append("2 ranks ÷ 1 rank (the largest rank's; the same cores: ideal step ≈ 1×): " + "; ".join(ratios))
     return "\n".join(lines)
 
