@@ -217,7 +217,7 @@ def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, t
 
     from conftest import SMALL_RUN
     from tether.config import load_config
-    from tether.pipeline import build
+    from tether.learner import fsdp
     from tether.pipeline.trainer import train
 
     learners: list[Learner] = []  # the learner each run built
@@ -226,8 +226,8 @@ def test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes(tiny_model, t
         learners.append(build_learner(*args, **kwargs))
         return learners[-1]
 
-    build_learner = build.run_learner
-    monkeypatch.setattr(build, "run_learner", spy)
+    build_learner = fsdp.run_learner
+    monkeypatch.setattr(fsdp, "run_learner", spy)  # what tether.learner.pool builds one trainer rank with
 
     (tmp_path / "run.yaml").write_text(SMALL_RUN)
 
@@ -269,8 +269,8 @@ def test_detach_worker_restores_the_shards(sharded):
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])  # fsdp is the same strategy
 def test_a_run_refuses_several_trainer_ranks(model, monkeypatch, strategy):
-    """A run's trainer is one process: launched under torchrun with WORLD_SIZE=2 it says so before any group starts
-    (every rank would roll out its own batches)."""
+    """A run starts its trainer ranks itself (``resource_pool.trainer_pool.num_ranks``): launched under torchrun
+    with WORLD_SIZE=2 it says so before any group starts (every rank would roll out its own batches)."""
     from tether.learner.fsdp import run_learner
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from tether.config.base import NonNegInt, PosFloat, PosInt, Section
 
-__all__ = ["PoolConfig", "RayConfig", "ResourcePoolConfig"]
+__all__ = ["PoolConfig", "RayConfig", "ResourcePoolConfig", "TrainerPoolConfig", "trainer_ranks"]
 
 
 class PoolConfig(Section):
@@ -24,13 +24,25 @@ class PoolConfig(Section):
     """CPUs in the pool (the actor's CPU share; with GPUs, the CPUs that go with them)."""
 
 
+class TrainerPoolConfig(PoolConfig):
+    """The trainer's pool: its resources (``backend: ray``) and how many trainer ranks train (any backend)."""
+
+    num_ranks: PosInt | None = None
+    """Trainer ranks: processes that train one model together, its parameters, gradients and optimizer state
+    sharded by FSDP2 (``actor_worker.strategy: fsdp2``; gloo on CPUs, NCCL on GPUs, rank r on GPU r). Rank 0 is the
+    trainer's own process (the pipeline's); ``tether train`` starts ranks 1..N-1 itself (``tether.learner.pool``),
+    under either backend (under ``backend: ray``: inside the trainer actor, on its node and GPUs). Every step's
+    trajectories are shared out among them by tokens, and N ranks train what one trains. None = ``num_gpus`` with
+    ``backend: ray`` and a sharding strategy, else 1. May change on ``--resume`` (checkpoints hold whole weights)."""
+
+
 class ResourcePoolConfig(Section):
     """Separate resource pools for training and rollout (``backend: ray``; separation_config.yaml). The trainer
     actor is placed in ``trainer_pool``, the rollouter actor (and its engine) in ``rollout_pool``; the
     MessageQueue actor needs no reserved resources."""
 
-    trainer_pool: PoolConfig = PoolConfig()
-    """Trainer resources."""
+    trainer_pool: TrainerPoolConfig = TrainerPoolConfig()
+    """Trainer resources, and the trainer's ranks."""
     rollout_pool: PoolConfig = PoolConfig()
     """Rollout resources."""
 
@@ -63,13 +75,22 @@ class RayConfig(Section):
     again) before the run fails. 0 = a rollouter failure ends the run."""
 
 
+def trainer_ranks(cfg: Any) -> int:
+    """The run's trainer ranks (``resource_pool.trainer_pool.num_ranks``, its None resolved)."""
+    pool = cfg.resource_pool.trainer_pool
+    if pool.num_ranks is not None:
+        return int(pool.num_ranks)
+    sharded = cfg.actor_worker.strategy in ("fsdp", "fsdp2")
+    return pool.num_gpus if cfg.backend == "ray" and sharded and pool.num_gpus else 1
+
+
 def cluster_inert(cfg: Any) -> list[str]:
     """``RunConfig.warnings``'s sentence for the keys of this file set while ``backend`` is local."""
     if cfg.backend == "ray":
         return []
     keys = [f"resource_pool.{pool}.{key}" for pool in ("trainer_pool", "rollout_pool")
-            for key in sorted(getattr(cfg.resource_pool, pool).model_fields_set)
-            if pool in cfg.resource_pool.model_fields_set]
+            for key in sorted(getattr(cfg.resource_pool, pool).model_fields_set - {"num_ranks"})
+            if pool in cfg.resource_pool.model_fields_set]  # num_ranks acts under either backend
     keys += [f"ray.{key}" for key in sorted(cfg.ray.model_fields_set)]
     if not keys:
         return []

@@ -99,6 +99,10 @@ class RunConfig(Section):
                "max_rollouts_per_prompt must be >= base_rollouts_per_prompt (= advantage.group_size)",
                **{"policy_optimization.rollout_allocation.max_rollouts_per_prompt": ra.max_rollouts_per_prompt,
                   "policy_optimization.advantage.group_size": g})
+        ranks = self.resource_pool.trainer_pool.num_ranks
+        _check(ranks is None or ranks == 1 or self.actor_worker.strategy in ("fsdp", "fsdp2"),
+               "several trainer ranks shard one model: set actor_worker.strategy: fsdp2 (or num_ranks: 1)",
+               **{"resource_pool.trainer_pool.num_ranks": ranks, "actor_worker.strategy": self.actor_worker.strategy})
         self._algorithm_defaults()
         check_reward(self)
         name_secrets(self)

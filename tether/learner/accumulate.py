@@ -54,6 +54,7 @@ class Accumulation:
         self.tokens: Pairs = defaultdict(list)  # per-token metrics, weighted by model tokens
         self.trajectories = self.forwarded_tokens = 0
         self.busy_s = 0.0  # wall time spent in add
+        self.trained_tokens = 0.0  # model tokens this rank back-propagated (its shares; a weight-0 stand-in adds none)
         learner.optimizer.zero_grad()
         learner.model.train()
 
@@ -79,6 +80,7 @@ class Accumulation:
             (out.loss if weight == 1.0 else out.loss * weight).backward()
             self.loss += out.loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight
+            self.trained_tokens += n_tok
             for name, value in out.metrics.items():
                 self.tokens[name].append((float(value), n_tok))
         self.trajectories += n
@@ -121,6 +123,8 @@ class Accumulation:
         for name, values in tokens.items():
             acc[name].extend(values)
         total = learner.ranks.sum(self.loss) / denom
+        trained = learner.ranks.sum(torch.tensor(self.trained_tokens, dtype=torch.float64))  # every rank's shares
+        acc["optim/trained_tokens"].append((float(trained), 1.0))  # summed over the step's updates (Learner._finish)
         result = learner.optimizer.update(loss_is_finite=bool(torch.isfinite(total)))
         acc["optim/loss"].append((float(total), 1.0))
         acc["optim/lr"] = [(result.lr, 1.0)]

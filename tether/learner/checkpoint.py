@@ -15,6 +15,13 @@ redacted one (``RunConfig.to_yaml``).
 
 The reference model is not saved: build the learner from the *initial* model, then ``load_checkpoint``.
 
+A learner sharded over several ranks (``tether.learner.group``) saves with ``save_sharded_checkpoint``, every rank at
+once: its weights and AdamW state as ``torch.distributed.checkpoint`` shards in ``shards/`` (each rank writes its own
+file; no rank gathers the optimizer state), plus the same consolidated HF weights and ``trainer_state.pt`` (the
+optimizer's schedule and counters; its moments are in the shards). ``load_checkpoint`` reads the shards when a
+checkpoint has them, into any layout — M ranks (DCP reshards), one FSDP rank or a plain model in one process — so a
+run saved with N ranks resumes with M; a checkpoint without shards loads as before, into any layout too.
+
 A corrupt checkpoint (a truncated ``trainer_state.pt`` or ``*.safetensors``: a disk fault or a partial copy, never
 an interrupted save, which the rename above rules out) is refused with ``CorruptCheckpoint``, one line that names
 the complete checkpoint before it and how to resume from that one (move the corrupt folder aside). Refused rather
@@ -33,6 +40,7 @@ import random
 import re
 import shutil
 import uuid
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,7 @@ from tether.learner import fsdp
 from tether.learner.learner import Learner
 
 STATE_FILE = "trainer_state.pt"
+SHARDS_DIR = "shards"  # torch.distributed.checkpoint's files: the weights and the AdamW state, one file per rank
 _FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -60,17 +69,64 @@ def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir, "checkpoints", f"step_{step}")
 
 
+def temp_dir(path: str | os.PathLike) -> Path:
+    """Where the checkpoint ``path`` is written before it is renamed into place (no step_N name: never taken for
+    one; ``Run.build`` removes those an interruption left)."""
+    path = Path(path)
+    return path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+
+
 def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
                     extra: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint folder at ``path`` atomically (replacing one already there); returns it."""
-    path = Path(path)
+    path, tmp = Path(path), temp_dir(path)
     extra = dict(extra or {})
     _check_plain(extra, "extra")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"  # no step_N name: never taken for one
     tmp.mkdir()
+    return _finish_save(path, tmp, lambda: fsdp.unsharded(learner.model), learner, fsdp.optimizer_state(learner),
+                        tokenizer, extra)
+
+
+def save_sharded_checkpoint(path: str | os.PathLike, tmp: str | os.PathLike, learner: Learner, tokenizer: Any,
+                            extra: dict[str, Any] | None = None) -> Path | None:
+    """Every rank of a sharded learner at once (collectives): each writes its shards of the weights and AdamW state
+    into ``tmp/shards``, then rank 0 the consolidated weights, tokenizer and trainer state, and renames ``tmp`` to
+    ``path``; returns ``path`` on rank 0 (None on the others). ``tmp``: ``temp_dir(path)``, the same on every rank."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 — only sharded learners save this way
+
+    path, tmp, lead = Path(path), Path(tmp), learner.ranks.rank == 0
+    extra = dict(extra or {})
+    _check_plain(extra, "extra")
+    (tmp / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     try:
-        fsdp.unsharded(learner.model).save_pretrained(tmp)  # FSDP2: the whole weights
+        dcp.save(_dcp_state(learner), checkpoint_id=tmp / SHARDS_DIR)  # ends when every rank has written
+        if not lead:
+            fsdp.full_state_dict(learner.model)  # fsdp.unsharded's gathers, which rank 0 runs below
+            return None
+    except BaseException:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    optimizer = {**learner.optimizer.state_dict(), "optimizer": None}  # the moments are in the shards
+    return _finish_save(path, tmp, lambda: fsdp.unsharded(learner.model), learner, optimizer, tokenizer, extra)
+
+
+def _dcp_state(learner: Learner) -> dict[str, Any]:
+    """The learner's weights and AdamW state keyed by parameter name, as ``torch.distributed.checkpoint`` saves and
+    loads them (this rank's shards of a sharded model; everything for a plain one)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415 — as above
+
+    model, optim = get_state_dict(learner.model, learner.optimizer.optimizer)
+    return {"model": model, "optim": optim}
+
+
+def _finish_save(path: Path, tmp: Path, whole_model: Any, learner: Learner, optimizer: dict[str, Any], tokenizer: Any,
+                 extra: dict[str, Any]) -> Path:
+    """Write the consolidated weights (``whole_model()``), tokenizer and trainer state into ``tmp`` and rename it to
+    ``path``; a failure removes ``tmp`` (a full disk is said as one)."""
+    try:
+        whole_model().save_pretrained(tmp)  # FSDP2: the whole weights
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         state = {
@@ -78,7 +134,7 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
             "version": learner.version,
             "kl_coef": float(learner.kl_coef),
             "kl_guard_stops": int(learner.kl_guard_stops),  # cumulative counters continue across a resume
-            "optimizer": fsdp.optimizer_state(learner),
+            "optimizer": optimizer,
             "rng": _rng_state(),
             "extra": extra,
         }
@@ -114,8 +170,12 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
         raise CorruptCheckpoint(_corrupt(path, f"{path / STATE_FILE} cannot be read ({_first_line(e)})")) from e
     if state.get("format") != _FORMAT:
         raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this tether reads {_FORMAT}")
-    _load_weights(learner.model, path)
-    fsdp.load_optimizer_state(learner, state["optimizer"])
+    if (path / SHARDS_DIR).is_dir():  # saved by several ranks: the weights and moments from the shards, resharded
+        _load_shards(learner, path / SHARDS_DIR)
+        learner.optimizer.load_state_dict({**state["optimizer"], "optimizer": learner.optimizer.optimizer.state_dict()})
+    else:
+        _load_weights(learner.model, path)
+        fsdp.load_optimizer_state(learner, state["optimizer"])
     learner.version = int(state["version"])
     learner.kl_coef = float(state["kl_coef"])
     learner.kl_guard_stops = int(state.get("kl_guard_stops", 0))
@@ -207,6 +267,23 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.rename(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_shards(learner: Learner, folder: Path) -> None:
+    """``save_sharded_checkpoint``'s shards into ``learner`` (any ranks, any layout; without a process group DCP
+    reads them in this process alone)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 — as in save_sharded_checkpoint
+    from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
+
+    state = _dcp_state(learner)
+    try:
+        with warnings.catch_warnings():  # one process reading every shard is what it is asked to do
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=folder)
+    except Exception as e:  # noqa: BLE001 — CheckpointException, OSError, pickle errors: the shards are unusable
+        raise CorruptCheckpoint(_corrupt(folder.parent, f"{folder} cannot be read ({_first_line(e)})")) from e
+    set_state_dict(learner.model, learner.optimizer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
 def _load_weights(model: torch.nn.Module, path: Path) -> None:

@@ -21,13 +21,13 @@ metrics run on the GPU under NCCL, on the CPU under gloo (``tether.learner.ranks
 A rank is a process: ``torchrun --nproc-per-node N`` (or ``torch.multiprocessing``, or a Ray actor per rank)
 sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_ranks`` reads them.
 
-**In a run** (``run_learner``, ``backend: local`` and the Ray backend's one trainer actor) the trainer is one
-process, so ``fsdp2`` shards over a group of one rank: the code path whose multi-rank arithmetic
-``tests/test_fsdp2.py`` checks (``benchmarks/gpu_smoke.sh`` runs it on one GPU with bf16 compute through
-``shard_model(param_dtype=...)``; a run computes in the model's own dtype). A run with several
-trainer ranks needs its rollouts sent to every rank, which no backend does yet: ``run_learner`` refuses a
-``WORLD_SIZE`` above 1. Checkpoints and the evaluation engine see whole weights (``unsharded``); the optimizer
-state is saved whole, keyed by parameter name (``optimizer_state`` / ``load_optimizer_state``).
+**In a run** (``run_learner``: one trainer rank, ``backend: local`` and the Ray backend's trainer actor) ``fsdp2``
+shards over a process group of one rank (``benchmarks/gpu_smoke.sh`` runs it on one GPU with bf16 compute through
+``shard_model(param_dtype=...)``; a run computes in the model's own dtype). Several trainer ranks in a run
+(``resource_pool.trainer_pool.num_ranks``) are ``tether.learner.pool``'s: ``tether train`` spawns them and drives
+them through ``tether.learner.group``; a run launched by torchrun (``WORLD_SIZE`` above 1) is refused. Checkpoints
+and the evaluation engine see whole weights (``unsharded``); the optimizer state is saved whole, keyed by parameter
+name (``optimizer_state`` / ``load_optimizer_state``), so a run saved with N ranks resumes with M.
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ def run_learner(model: Any, lc: LearnerConfig, po: PolicyOptimConfig, actor_work
                        teacher=teacher, worker=actor_worker.class_)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        raise RuntimeError(f"actor_worker.strategy: {actor_worker.strategy} with WORLD_SIZE={world}: a run trains "
-                           "with one trainer process (several ranks need their rollouts sent to every rank, which is "
-                           "not built); launch the run as one process, without torchrun")
+        raise RuntimeError(f"actor_worker.strategy: {actor_worker.strategy} with WORLD_SIZE={world}: tether train "
+                           "starts its trainer ranks itself; launch the run as one process, without torchrun, with "
+                           f"resource_pool.trainer_pool.num_ranks: {world}")
     return sharded_learner(model, init_ranks(), lc, po, temperature=temperature,
                            max_response_tokens=max_response_tokens, teacher=teacher, worker=actor_worker.class_)
 

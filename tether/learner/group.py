@@ -35,9 +35,8 @@ even split of the real tokens; 2.7 % on the test's trajectories of 1–4 turns (
 1.041). Kept for lengths that spread more than the demo's; π_prox scoring (``Learner._score``) shares consecutive rows.
 
 Metrics. The learner's are equal on every rank already (per-token metrics all-reduced, the loss summed, the global
-grad norm); the group adds two, recorded on rank 0 only (``follow`` runs with no recorder):
-    optim/trained_tokens   model tokens back-propagated in the step (passes included), each rank counting its
-                           shares, summed over ranks: the batch's model tokens × passes when they cover it once
+grad norm, ``optim/trained_tokens`` summed over the ranks' shares); the group adds one, recorded on rank 0 only
+(``follow`` runs with no recorder):
     perf/rank_imbalance    Σ over micro-batches of the largest share's padded tokens / the mean share's (1 = even)
 
 Errors. A command that raises on rank r > 0 writes its traceback to the process group's store and leaves the group:
@@ -55,7 +54,7 @@ import itertools
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -64,8 +63,7 @@ import torch
 import torch.distributed as dist
 
 from tether.learner import fsdp
-from tether.learner.accumulate import Accumulation
-from tether.learner.checkpoint import load_checkpoint, save_checkpoint
+from tether.learner.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint, temp_dir
 from tether.learner.learner import Learner
 from tether.learner.ranks import Ranks, TalliedRanks, full_tensor
 from tether.learner.spawn import DEFAULT_TIMEOUT_S, Spawned
@@ -87,7 +85,8 @@ class RankError(RuntimeError):
         ranks = ", ".join(str(r) for r in sorted(reports))
         head = f"trainer rank{'s' * (len(reports) > 1)} {ranks} failed in {command}: " + "; ".join(
             f"rank {r}: {line}" for r, line in sorted(first.items()))
-        super().__init__(head + "".join(f"\n--- rank {r} ---\n{text.rstrip()}" for r, text in sorted(reports.items())))
+        super().__init__(head)  # one line for the terminal; each rank's traceback goes with the error's own
+        self.add_note("".join(f"--- trainer rank {r} ---\n{text.rstrip()}\n" for r, text in sorted(reports.items())))
 
 
 class _Commands:
@@ -100,7 +99,7 @@ class _Commands:
         ranks = learner.ranks
         self.learner, self.lead = learner, ranks.rank == 0
         learner.ranks = self.ranks = TalliedRanks(ranks.rank, ranks.world)
-        self.update: Accumulation | None = None
+        self.update: Any = None  # the streamed step's Accumulation
 
     def hello(self, described: str, balanced: bool) -> None:
         """Check this rank built the learner rank 0 did; take rank 0's way of sharing a micro-batch."""
@@ -116,8 +115,7 @@ class _Commands:
         self.learner.skip_step()
 
     def begin_step(self) -> None:
-        # Learner.begin_step's update; it refuses a sharded learner only because, alone, nothing feeds its other ranks
-        self.update = Accumulation(self.learner, prox_from_forward=self.learner.objective.needs_prox)
+        self.update = self.learner.begin_step()
 
     def add_trajectories(self, trajectories: Sequence[Trajectory], advantages: Any) -> None:
         if self.update is None:
@@ -142,13 +140,13 @@ class _Commands:
     def on_sync(self, version: int) -> None:
         self.learner.worker.on_sync(version)  # DetachActorWorker: each rank keeps its own shards
 
-    def save_checkpoint(self, path: str, tokenizer: Any = None, extra: dict[str, Any] | None = None) -> Path | None:
-        """Rank 0 writes (its ``tokenizer`` and ``extra`` are not sent); the others take part in the gathers."""
-        if self.lead:
+    def save_checkpoint(self, path: str, tmp: str, tokenizer: Any = None,
+                        extra: dict[str, Any] | None = None) -> Path | None:
+        """Every rank writes its shards into ``tmp``, rank 0 the rest (its ``tokenizer`` and ``extra`` are not
+        sent); in a group of one, ``save_checkpoint`` as a plain learner saves."""
+        if not self.ranks.sharded:
             return save_checkpoint(path, self.learner, tokenizer, extra)
-        fsdp.full_state_dict(self.learner.model)  # save_checkpoint's gathers, in its order: the weights (unsharded)
-        fsdp.optimizer_state(self.learner)  # then the optimizer's state
-        return None
+        return save_sharded_checkpoint(path, tmp, self.learner, tokenizer, extra)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         return load_checkpoint(path, self.learner)  # every rank reads the files and keeps its shards
@@ -160,13 +158,12 @@ class _Commands:
         return None
 
     def _reduced(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The step's metrics plus the group's two; records those (on rank 0: the others have no recorder)."""
-        trained, slowest, mean = self.ranks.tally.take()
-        trained = float(self.ranks.sum(torch.tensor(trained, dtype=torch.float64)))
-        extra = {"optim/trained_tokens": trained, "perf/rank_imbalance": slowest / mean if mean else 1.0}
-        for name, value in extra.items():
-            record_metric(name, value, "last")
-        return {**metrics, **extra}
+        """The step's metrics plus the group's ``perf/rank_imbalance``, recorded (on rank 0: the others have no
+        recorder)."""
+        slowest, mean = self.ranks.tally.take()
+        imbalance = slowest / mean if mean else 1.0
+        record_metric("perf/rank_imbalance", imbalance, "last")
+        return {**metrics, "perf/rank_imbalance": imbalance}
 
 
 class _Channel:
@@ -205,17 +202,19 @@ class _Channel:
         except Exception:  # noqa: BLE001 — rank 0 (the store's host) is gone: nobody left to tell
             pass
 
-    def reports(self, wait_s: float, ended: dict[int, int]) -> dict[int, str]:
-        """The other ranks' error reports, waiting up to ``wait_s`` for a first one; ``ended``: ranks known to have
-        exited (rank → exit code), named even without a report."""
+    def reports(self, wait_s: float, ended: Callable[[], dict[int, int]]) -> dict[int, str]:
+        """The other ranks' error reports, waiting up to ``wait_s`` for a first one (not once every other rank has
+        ended: a rank writes its report before it exits); ``ended()``: the ranks known to have exited (rank → exit
+        code), named even without a report."""
         deadline = time.monotonic() + wait_s
         while True:
             found = {r: self.store.get(f"error/{r}").decode() for r in range(1, self.ranks.world)
                      if self.store.check([f"error/{r}"])}
-            if found or time.monotonic() >= deadline:
+            gone = ended()
+            if found or time.monotonic() >= deadline or len(gone) == self.ranks.world - 1:
                 break
             time.sleep(0.05)
-        for r, code in ended.items():
+        for r, code in gone.items():
             if code != 0 and r not in found:
                 found[r] = f"exited with code {code} without a report (killed, or out of memory?)"
         return found
@@ -295,10 +294,7 @@ class LearnerGroup:
 
     @property
     def streams(self) -> bool:
-        """``Learner.streams`` without its one-process condition: the group feeds every rank the same groups."""
-        lr = self.learner
-        fresh = not lr.objective.needs_prox or lr._prox_is_own_forward
-        return lr.mini_batch_size >= lr.batch_size and fresh and lr.epochs == 1
+        return self.learner.streams
 
     # -- commands ----------------------------------------------------------------------------------------
     def train_step(self, trajectories: Sequence[Trajectory],
@@ -325,8 +321,10 @@ class LearnerGroup:
         return self._call("state_dict_for_engine")
 
     def save_checkpoint(self, path: str | Path, tokenizer: Any, extra: dict[str, Any] | None = None) -> Path:
-        """``tether.learner.checkpoint.save_checkpoint`` of the group (rank 0 writes; every rank gathers)."""
-        return self._call("save_checkpoint", str(path), lead=dict(tokenizer=tokenizer, extra=extra))
+        """A checkpoint of the group: ``tether.learner.checkpoint.save_sharded_checkpoint`` on every rank (the shards
+        of the weights and AdamW state, and rank 0 the consolidated weights and trainer state)."""
+        return self._call("save_checkpoint", str(path), str(temp_dir(path)),
+                          lead=dict(tokenizer=tokenizer, extra=extra))
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """``tether.learner.checkpoint.load_checkpoint`` on every rank; returns the checkpoint's ``extra``."""
@@ -381,9 +379,11 @@ class LearnerGroup:
         """A ``RankError`` when other ranks reported (or ended), else ``error`` (rank 0's own)."""
         if not self.ranks.sharded:
             return error
-        collective = isinstance(error, dist.DistError) or any(
-            word in str(error) for word in ("gloo", "NCCL", "Connection closed", "Timed out", "monitoredBarrier"))
-        ended = self.spawned.exitcodes() if self.spawned is not None else {}
+        spawned = self.spawned
+        ended = spawned.exitcodes if spawned is not None else dict  # () → rank: exit code, read when asked
+        collective = bool(ended()) or isinstance(error, dist.DistError) or any(word in str(error) for word in (
+            "gloo", "NCCL", "Connection closed", "Connection reset", "peer", "Timed out", "monitoredBarrier"))
+        # a rank that ended, or a failed collective: its report, or its exit, may be on its way
         reports = self._channel.reports(REPORT_WAIT_S if collective else 0.0, ended)
         if not reports and collective:  # no rank said anything: name them all, with what the collective said
             reports = {r: f"no report; rank 0's collective failed: {str(error).splitlines()[0]}"

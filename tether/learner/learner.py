@@ -97,7 +97,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # metrics that are a state, not an average
-_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops"}
+_LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_stops", "optim/trained_tokens"}
 
 
 class Learner:
@@ -216,9 +216,9 @@ class Learner:
     def streams(self) -> bool:
         """Whether a step can be trained as its groups arrive (``begin_step``): it makes one optimizer update on
         fresh weights (one pass, a mini-batch holding the whole batch), so every group's π_prox is its own forward,
-        in one process."""
+        on every rank alike (``tether.learner.group`` feeds every rank the same groups)."""
         fresh = not self.objective.needs_prox or self._prox_is_own_forward
-        return self.mini_batch_size >= self.batch_size and fresh and self.epochs == 1 and not self.ranks.sharded
+        return self.mini_batch_size >= self.batch_size and fresh and self.epochs == 1
 
     @property
     def _prox_is_own_forward(self) -> bool:
@@ -249,7 +249,9 @@ class Learner:
         """Close a step: version, KL controller, the step's metrics (returned and recorded)."""
         self.kl_guard_stops += stopped
         self.version += 1
+        trained = math.fsum(v for v, _ in acc.pop("optim/trained_tokens", []))  # every update and pass of the step
         metrics = {name: weighted_mean(vals) for name, vals in acc.items()}
+        metrics["optim/trained_tokens"] = trained
         metrics.setdefault("optim/grad_norm", math.nan)  # every update of the step was skipped
         metrics["optim/kl_coef"] = float(kl_coef)
         metrics["optim/kl_guard_stops"] = float(self.kl_guard_stops)

@@ -13,8 +13,8 @@ with weight 0: it takes part in the collectives and adds nothing.
 
 ``Ranks()`` is one process (rank 0 of 1): no sharing, no communication, the Learner's single-process path.
 
-``TalliedRanks`` (what ``tether.learner.group`` installs on every rank) counts what the shares held, and may share a
-micro-batch by padded tokens instead (``balanced_parts``: any split of the rows trains the same sum).
+``TalliedRanks`` (what ``tether.learner.group`` installs on every rank) tallies how evenly the shares pad, and may share
+a micro-batch by padded tokens instead (``balanced_parts``: any split of the rows trains the same sum).
 """
 
 from __future__ import annotations
@@ -90,25 +90,23 @@ class Ranks:
 
 @dataclass
 class ShareTally:
-    """What the ranks' shares held since the last ``take``, as one rank counts them: the model tokens this rank
-    trained (weight 1; a stand-in adds none), and per micro-batch the padded tokens (rows × longest row: what a
-    dense forward computes) of the rank that had the most and the ranks' mean."""
+    """What the ranks' shares held since the last ``take``: per micro-batch the padded tokens (rows × longest row:
+    what a dense forward computes) of the rank that had the most and the ranks' mean."""
 
-    trained_tokens: float = 0.0
     slowest: float = 0.0  # Σ over micro-batches of the largest share's padded tokens
     mean: float = 0.0  # Σ over micro-batches of the shares' mean padded tokens
 
-    def take(self) -> tuple[float, float, float]:
-        """``(trained_tokens, slowest, mean)``, and start again from zero."""
-        out = (self.trained_tokens, self.slowest, self.mean)
-        self.trained_tokens = self.slowest = self.mean = 0.0
+    def take(self) -> tuple[float, float]:
+        """``(slowest, mean)``, and start again from zero."""
+        out = (self.slowest, self.mean)
+        self.slowest = self.mean = 0.0
         return out
 
 
 @dataclass(frozen=True)
 class TalliedRanks(Ranks):
     """``Ranks`` whose ``share`` also counts into ``tally`` (``tether.learner.group`` installs it on every rank for
-    the step's ``optim/trained_tokens`` and ``perf/rank_imbalance``). ``balanced``: shares balanced by padded tokens
+    the step's ``perf/rank_imbalance``). ``balanced``: shares balanced by padded tokens
     (``balanced_parts``) instead of consecutive near-equal counts."""
 
     balanced: bool = False
@@ -122,9 +120,7 @@ class TalliedRanks(Ranks):
         cost = [float(len(part) * part.input_ids.shape[1]) for part, _ in parts]  # padded tokens
         self.tally.slowest += max(cost)
         self.tally.mean += sum(cost) / len(cost)
-        mine, weight = parts[self.rank]
-        self.tally.trained_tokens += float(mine.loss_mask.sum()) * weight
-        return mine, weight
+        return parts[self.rank]
 
 
 def balanced_parts(mb: TrainBatch, world: int) -> list[tuple[TrainBatch, float]]:

@@ -1,5 +1,5 @@
-"""Trainer ranks on this machine: ``spawn_ranks(n, fn, *args)`` starts ranks 1..n-1 as processes
-(``torch.multiprocessing``) that join one process group with this process, rank 0, and run ``fn(ranks, *args)``.
+"""Trainer ranks on this machine: ``spawn_ranks(n, fn, *args)`` starts ranks 1..n-1 as processes that join one
+process group with this process, rank 0, and run ``fn(ranks, *args)``.
 
     spawned = spawn_ranks(2, follow_rank, model_dir)   # rank 1 runs follow_rank(Ranks(1, 2), model_dir)
     group = LearnerGroup(sharded_learner(model, spawned.ranks, ...), spawned=spawned)
@@ -10,6 +10,10 @@
 This process is rank 0 because the pipeline (rollouts, the engine, the metrics, ``breakpoint()``) lives here; the
 others only train (``tether.learner.group.follow``). Under ``torchrun`` (or one Ray actor per rank) the launcher
 starts every rank instead and ``tether.learner.fsdp.init_ranks`` joins them; the group code is the same.
+
+A rank is a fresh interpreter (``python -m tether.learner.spawn``) that reads ``fn`` and its arguments, pickled, from
+its stdin, with this process's ``sys.path``: unlike ``multiprocessing``'s spawn it does not import the caller's main
+module again, so a script without an ``if __name__ == "__main__"`` guard (or a notebook) can start ranks.
 
 Rendezvous: a ``TCPStore`` on 127.0.0.1 that this process hosts on a port the OS picks when it binds (no free-port
 race). Each rank says ``ready/<rank>`` in it before joining the group, so a rank that dies while it starts (a spawned
@@ -23,16 +27,17 @@ hang.
 
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tether.learner.ranks import Ranks
 
@@ -48,26 +53,26 @@ class Spawned:
     """The ranks ``spawn_ranks`` started (rank r is ``processes[r - 1]``) and this process's place among them."""
 
     ranks: Ranks
-    processes: list[BaseProcess]
+    processes: list[subprocess.Popen]
     store: Any = field(repr=False)  # the rendezvous TCPStore; hosted here, so it lives as long as this object
 
     def exitcodes(self) -> dict[int, int]:
         """The ranks that have ended, and their exit codes (negative: killed by that signal)."""
-        return {r: p.exitcode for r, p in enumerate(self.processes, 1) if p.exitcode is not None}
+        return {r: code for r, p in enumerate(self.processes, 1) if (code := p.poll()) is not None}
 
     def close(self, grace_s: float = 30.0) -> dict[int, int]:
         """Wait up to ``grace_s`` for the ranks to end (``LearnerGroup.close`` tells them to), end any still running
         (SIGTERM, then SIGKILL), and leave the process group; returns the exit codes."""
         deadline = time.monotonic() + grace_s
         for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
+            _wait(p, max(0.0, deadline - time.monotonic()))
         for p in self.processes:
-            if p.is_alive():
+            if p.poll() is None:
                 p.terminate()
-                p.join(5.0)
-            if p.is_alive():
+                _wait(p, 5.0)
+            if p.poll() is None:
                 p.kill()
-                p.join()
+                p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
         return self.exitcodes()
@@ -79,13 +84,18 @@ class Spawned:
         self.close()
 
 
+def _wait(p: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def spawn_ranks(n: int, fn: Callable[..., object], *args: Any, backend: str | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn") -> Spawned:
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> Spawned:
     """Start ranks 1..n-1 running ``fn(Ranks(r, n), *args)`` in a process group of ``n`` ranks with this process as
-    rank 0 (joined when this returns). ``fn`` and ``args`` must pickle under ``spawn`` (a module-level function; a
-    model travels better as its folder than as a module). ``backend``: None = NCCL with CUDA, else gloo.
-    ``start_method``: ``spawn`` (a fresh interpreter: safe beside threads) or ``fork`` (inherits this process's
-    imports and objects; only where no thread pool has started)."""
+    rank 0 (joined when this returns). ``fn`` and ``args`` must pickle (a module-level function; a model travels
+    better as its folder than as a module). ``backend``: None = NCCL with CUDA, else gloo."""
     if n < 1:
         raise ValueError(f"spawn_ranks needs at least one rank, got {n}")
     if dist.is_initialized():
@@ -94,14 +104,14 @@ def spawn_ranks(n: int, fn: Callable[..., object], *args: Any, backend: str | No
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=timeout, wait_for_workers=False)
-    ctx: Any = mp.get_context(start_method)  # typeshed: BaseContext, which names no Process
     spawned = Spawned(Ranks(0, n), [], store)
     try:
         for r in range(1, n):
-            p = ctx.Process(target=_rank_main, args=(r, n, store.port, backend, timeout_s, fn, args),
-                            name=f"tether-rank{r}", daemon=True)  # daemon: ends with this process
-            p.start()
+            p = subprocess.Popen([sys.executable, "-m", "tether.learner.spawn"], stdin=subprocess.PIPE)
             spawned.processes.append(p)
+            assert p.stdin is not None
+            with p.stdin:  # sys.path first: the rest may name modules only it reaches (a test's, a user's)
+                p.stdin.write(pickle.dumps(sys.path) + pickle.dumps((r, n, store.port, backend, timeout_s, fn, args)))
         _wait_ready(store, spawned, max(timeout_s, START_TIMEOUT_S))
         if backend == "nccl":
             torch.cuda.set_device(0)
@@ -140,3 +150,8 @@ def _rank_main(rank: int, n: int, port: int, backend: str, timeout_s: float, fn:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # a rank spawn_ranks started: its arguments come pickled on stdin
+    sys.path[:] = pickle.load(sys.stdin.buffer)
+    _rank_main(*pickle.load(sys.stdin.buffer))

@@ -22,11 +22,13 @@ from typing import Any, Protocol
 import torch
 
 from tether.config import RunConfig
+from tether.config.cluster import trainer_ranks
 from tether.config.plan import Plan
 from tether.engine.local import LocalEngine
-from tether.learner.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from tether.learner.fsdp import run_learner, unsharded
+from tether.learner.checkpoint import checkpoint_dir
+from tether.learner.group import LearnerGroup
 from tether.learner.learner import Learner
+from tether.learner.pool import LearnerSpec, Trainer, start_trainer
 from tether.metrics import MetricsRecorder, make_sinks, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
 from tether.pipeline.modes import BatchSource, make_source
@@ -39,7 +41,7 @@ from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.streaming import overlaps
 from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
-from tether.runtime import Runtime, agent_loop, local_engine
+from tether.runtime import Runtime, agent_loop, local_engine, model_path
 from tether.teacher.scorer import make_teacher, score_trajectory
 from tether.types import Task
 
@@ -93,7 +95,8 @@ class Evaluator:
     records which step's weights were evaluated.
     """
 
-    def __init__(self, tasks: list[Task], rollouter: Any, learner: Learner, weights: WeightSync, *, seed: int,
+    def __init__(self, tasks: list[Task], rollouter: Any, learner: Learner | LearnerGroup, weights: WeightSync, *,
+                 seed: int,
                  engine: LocalEngine | None = None):
         """``rollouter``: runs the greedy episodes; ``engine``: the evaluator's own engine (true above: loaded with
         the learner's weights at each evaluation, and closed with the evaluator), None: the rollout engine's."""
@@ -114,20 +117,20 @@ class Evaluator:
             self.engine.close()
 
 
-def _evaluator(cfg: RunConfig, plan: Plan, rt: Runtime, learner: Learner, weights: WeightSync,
+def _evaluator(cfg: RunConfig, plan: Plan, rt: Runtime, trainer: Trainer, weights: WeightSync,
                remote: Any = None) -> Evaluator:
     """The evaluator ``trainer.use_trainer_do_validate`` asks for; ``remote``: the rollout engine's actor evaluates
     (``backend: ray``) when the trainer does not validate its own weights."""
     tasks = rt.tasks("eval")[: plan.eval_tasks]
     if cfg.trainer.use_trainer_do_validate and plan.mode != "sync":
-        engine = local_engine(unsharded(learner.model), plan, cfg.engine, cfg.rollout.partial_rollout)
+        engine = local_engine(trainer.whole_model(), plan, cfg.engine, cfg.rollout.partial_rollout)
         loop = agent_loop(cfg, engine, rt.tokenizer, greedy=True, window=rt.window)
         rollouter = Rollouter(loop, rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks,
                               rewards=rt.rewards)
-        return Evaluator(tasks, rollouter, learner, weights, seed=plan.seed, engine=engine)
+        return Evaluator(tasks, rollouter, trainer.learner, weights, seed=plan.seed, engine=engine)
     rollouter = remote if remote is not None else Rollouter(
         rt.loop(greedy=True), rt.make_env, max_concurrent=cfg.rollout.worker.max_concurrent_tasks, rewards=rt.rewards)
-    return Evaluator(tasks, rollouter, learner, weights, seed=plan.seed)
+    return Evaluator(tasks, rollouter, trainer.learner, weights, seed=plan.seed)
 
 
 @dataclass
@@ -136,7 +139,7 @@ class Run:
     plan: Plan
     run_dir: Path
     rt: Runtime
-    learner: Learner
+    trainer: Trainer  # its ``learner``: a Learner, or a LearnerGroup over resource_pool.trainer_pool.num_ranks ranks
     sampler: TaskSampler
     allocator: RolloutAllocator
     weights: WeightSync
@@ -185,10 +188,14 @@ class Run:
         torch.manual_seed(plan.seed)
         closers: list[Callable[[], object]] = [lock.release, log_to_file(run_dir / "train.log")]
         try:
+            model_dir = model_dir or model_path(cfg)  # a preset is built once, here: the trainer's ranks load it too
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
-            learner = run_learner(rt.model, cfg.learner, po, cfg.actor_worker, temperature=cfg.engine.temperature,
-                                  max_response_tokens=plan.max_response_tokens, teacher=cfg.teacher)  # plain or FSDP2
+            spec = LearnerSpec(cfg.learner, po, cfg.actor_worker, temperature=cfg.engine.temperature,
+                               max_response_tokens=plan.max_response_tokens, teacher=cfg.teacher, dtype=plan.dtype)
+            trainer = start_trainer(rt.model, model_dir, spec, num_ranks=trainer_ranks(cfg))  # plain, FSDP2, N ranks
+            closers.append(trainer.close)
+            learner = trainer.learner
             # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
             overlap = overlaps(learner, po.advantage.normalization, overlap_rollout=cfg.learner.overlap_rollout,
                                mode=plan.mode)
@@ -198,7 +205,7 @@ class Run:
                                          kinds={t.id: t.kind for t in sampler.tasks})
             start, extra = 0, {}
             if ckpt is not None:
-                extra = load_checkpoint(ckpt, learner)
+                extra = trainer.load(ckpt)
                 start = int(extra["step"])
                 allocator.load_state_dict(extra["allocator"])
             weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start)
@@ -206,7 +213,7 @@ class Run:
             weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
             if ckpt is not None:
                 weights.push()
-            evaluator = _evaluator(cfg, plan, rt, learner, weights,
+            evaluator = _evaluator(cfg, plan, rt, trainer, weights,
                                    remote=parts.rollouter(greedy=True) if parts is not None else None)
             closers.append(evaluator.close)
             # the teacher loop, its tokenizer checked (None: no teacher; under ray it runs in the rollouter actor)
@@ -247,10 +254,12 @@ class Run:
             for close in reversed(closers):
                 close()
             raise
-        run = cls(cfg, plan, run_dir, rt, learner, sampler, allocator, weights, source, evaluator, recorder, progress,
+        run = cls(cfg, plan, run_dir, rt, trainer, sampler, allocator, weights, source, evaluator, recorder, progress,
                   monitors, start, closers, engine_threads)
         progress.note(f"{learner.describe()}; {plan.prompts_per_step} tasks × "
                       f"{plan.group_size} rollouts per step; rollout.mode {plan.mode}")
+        if trainer.num_ranks > 1:  # where to look when a rank stops answering
+            progress.note("trainer ranks: " + ", ".join(f"rank {r} pid {pid}" for r, pid in trainer.pids().items()))
         for warning in cfg.warnings():
             progress.warn(warning)
         for note in notes:
@@ -268,9 +277,13 @@ class Run:
     def checkpoint(self, step: int) -> Path:
         return checkpoint_dir(self.run_dir, step)
 
+    @property
+    def learner(self) -> Learner | LearnerGroup:
+        return self.trainer.learner
+
     def save(self, step: int) -> None:
-        save_checkpoint(self.checkpoint(step), self.learner, self.rt.tokenizer,
-                        extra={"step": step, "allocator": self.allocator.state_dict(),
+        self.trainer.save(self.checkpoint(step), self.rt.tokenizer,
+                          extra={"step": step, "allocator": self.allocator.state_dict(),
                                "source": self.source.state_dict()})
 
     def log_samples(self, step: int, produced: list) -> None:

@@ -78,9 +78,10 @@ def _spans(steps: list[int]) -> str:
     return f"step {words}" if len(steps) == 1 else f"steps {words}"
 
 
-# Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go.
+# Keys a resumed run may change freely: how long it runs, how often it evaluates and saves, where metrics go, how many
+# trainer ranks train (N ranks train what one trains; a checkpoint holds whole weights and optimizer state).
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.eval_tasks",
-                     "metrics.", "monitors.")
+                     "metrics.", "monitors.", "resource_pool.trainer_pool.num_ranks")
 
 
 def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -50,13 +50,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from tether.algo import group_advantages
 from tether.algo.advantages import Normalization
 from tether.config.policy import AdvantageConfig
-from tether.learner.accumulate import Accumulation
+from tether.learner.group import LearnerGroup
 from tether.learner.learner import Learner
 from tether.metrics import record_metric
 from tether.pipeline.shaping import Produced
@@ -79,13 +80,14 @@ def advantages(groups: Sequence[Group], normalization: Normalization,
     return adv, m["degenerate_group_ratio"]
 
 
-def streams(learner: Learner, normalization: Normalization) -> bool:
+def streams(learner: Learner | LearnerGroup, normalization: Normalization) -> bool:
     """Whether a step is fed group by group: one update on fresh weights (``Learner.streams``) and each group's
     advantages its own (``normalization``, ``policy_optimization.advantage``'s: not over the batch)."""
     return learner.streams and normalization != "batch"
 
 
-def overlaps(learner: Learner, normalization: Normalization, *, overlap_rollout: bool, mode: str) -> bool:
+def overlaps(learner: Learner | LearnerGroup, normalization: Normalization, *, overlap_rollout: bool,
+             mode: str) -> bool:
     """Whether the learner trains beside the rollout in this run: ``learner.overlap_rollout`` where it can act
     (``mode``, ``rollout.mode``: sync, and a step that ``streams``)."""
     return overlap_rollout and mode == "sync" and streams(learner, normalization)
@@ -117,7 +119,7 @@ class StepUpdate:
     A learner whose step is several updates (or advantages normalised over the batch) is not fed group by group:
     ``train`` then calls ``Learner.train_step`` on the whole batch."""
 
-    def __init__(self, learner: Learner, advantage: AdvantageConfig, *, overlap_rollout: bool, mode: str,
+    def __init__(self, learner: Learner | LearnerGroup, advantage: AdvantageConfig, *, overlap_rollout: bool, mode: str,
                  ordered: bool, engine_threads: Callable[[int], object] | None = None):
         """``advantage``: the ``policy_optimization.advantage`` section; ``overlap_rollout`` and ``mode``:
         ``learner.overlap_rollout`` and ``rollout.mode`` (``overlaps``); ``ordered``: ``trainer.deterministic``
@@ -133,7 +135,7 @@ class StepUpdate:
         self.ordered = ordered
         # deterministic: every group trained on ``threads``, the engine on ``threads`` until the rollout ends
         self.pinned = self.overlap and ordered
-        self.update: Accumulation | None = None
+        self.update: Any = None  # the step's update (an Accumulation, or a LearnerGroup's StreamedStep)
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
         self._advantages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Produced) -> ``advantages`` of it
         self._held: dict[int, Produced] = {}  # ordered mode: finished groups waiting for earlier ones
