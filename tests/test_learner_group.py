@@ -30,6 +30,7 @@ from tether.learner.spawn import spawn_ranks
 from tether.types import Trajectory
 
 WORLD, STEPS, GROUPS, GROUP_SIZE = 2, 4, 8, 8
+BUCKET_BYTES = 16 * 1024
 DEMO = REPO / "examples" / "customer_service" / "config.yaml"
 # (case, balanced shares, streamed update); the checkpoints: "streamed" saves after steps 2 and 4, "resumed"
 # loads step 2's and trains steps 3 and 4
@@ -100,11 +101,12 @@ def run_case(group: LearnerGroup, case: str, batches: list[list[list[Trajectory]
         group.worker.on_sync(group.version)
         if case == "streamed" and step in (2, STEPS):
             group.save_checkpoint(out / f"streamed_step_{step}", None, {"step": step})
+    buckets = list(group.weight_buckets(BUCKET_BYTES))  # what a weight sync under backend: ray gathers and sends
     if case == "train_step":  # a step whose groups were all dropped: counted on every rank
         group.skip_step()
     whole = {k: v.detach().clone() for k, v in group.unsharded_model().state_dict().items()}
     return {"metrics": metrics, "weights": weights, "whole": whole, "version": group.version,
-            "describe": group.describe()}
+            "describe": group.describe(), "buckets": buckets}
 
 
 def _model(tiny: str) -> Any:
@@ -218,6 +220,16 @@ def test_two_ranks_train_the_steps_of_one(two_ranks, one_rank, tiny_model, case)
           f"loss, grad norm within {rel['optim/loss']:.1e}, {rel['optim/grad_norm']:.1e} relative; 2 ranks took "
           f"{two['seconds']:.1f} s (start {two_ranks['start_s']:.1f} s); rank imbalance {imbalance:.3f}")
     assert moved > 1e-4 and worst < 1e-5
+
+
+def test_weight_buckets_gather_the_pushed_weights_a_bucket_at_a_time(two_ranks):
+    """``weight_buckets``: one gather per bucket of at most BUCKET_BYTES (a larger tensor alone), together exactly
+    the weights ``state_dict_for_engine`` gathers at once."""
+    buckets, weights = two_ranks["streamed"]["buckets"], two_ranks["streamed"]["weights"]
+    sizes = [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets]
+    assert len(buckets) > 2 and all(size <= BUCKET_BYTES or len(b) == 1 for size, b in zip(sizes, buckets))
+    joined = {k: v for b in buckets for k, v in b.items()}
+    assert list(joined) == list(weights) and _worst(joined, weights) == 0.0
 
 
 def _step_trajs(step: int, tiny: str) -> list[Trajectory]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -40,7 +41,6 @@ from tether.distributed.weight_transfer import (
     flatten,
     host_store,
     put_buckets,
-    put_weights,
     unflatten,
 )
 from tether.metrics import Reduce, record_metric
@@ -84,14 +84,20 @@ class RolloutHandle:
         self._groups = 0
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        self.update_weights_from_buckets(({n: state_dict[n] for n in names}
+                                          for names in cut_buckets(state_dict, self.bucket_bytes)), version)
+
+    def update_weights_from_buckets(self, buckets: Iterable[dict[str, Any]], version: int) -> None:
+        """Push ``buckets`` (``Learner.weight_buckets``: gathered as they are asked for) as ``version``: each is put
+        into the object store, or flattened into its broadcast buffer, before the next is asked for."""
         if self.transfer == "nccl":
-            self._broadcast(state_dict, version)
+            self._broadcast(buckets, version)
             return
         import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         with self._lock:
             self._tokens += 1
-            push = put_weights(state_dict, self._tokens, version, self.bucket_bytes)
+            push = put_buckets(buckets, self._tokens, version)
             self.latest, self.token = push, push.token
         record_metric("perf/weight_sync_buckets", len(push.refs), "sum")
         record_metric("perf/weight_sync_mb", push.nbytes / MiB, "sum")
@@ -103,24 +109,25 @@ class RolloutHandle:
                 self.wait_alive()
                 record_metric("ray/weight_catch_ups", 1, "sum")
 
-    def _broadcast(self, state_dict: dict[str, Any], version: int) -> None:
-        """Tell the actor what comes (token, version, layout), then broadcast the buckets to it."""
+    def _broadcast(self, buckets: Iterable[dict[str, Any]], version: int) -> None:
+        """Tell the actor what comes (token, version, layout), then broadcast the buckets to it. Each bucket is
+        flattened into its buffer (on the weights' device) as it comes, and the buffers are kept for a catch-up."""
         import ray  # noqa: PLC0415 — the optional extra ``ray``
 
-        names = cut_buckets(state_dict, self.bucket_bytes)
         with self._push_lock:
             with self._lock:
                 self._tokens += 1
                 token = self.token = self._tokens
-            nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-            record_metric("perf/weight_sync_buckets", len(names), "sum")
+            flat = [flatten(bucket, next(iter(bucket.values())).device) for bucket in buckets]
+            nbytes = sum(layout.nbytes for layout, _ in flat)
+            record_metric("perf/weight_sync_buckets", len(flat), "sum")
             record_metric("perf/weight_sync_mb", nbytes / MiB, "sum")
             while True:
                 try:
-                    group = self._group_for(next(iter(state_dict.values())).device)
-                    layouts, buffers = zip(*[flatten({n: state_dict[n] for n in bucket}, group.device)
-                                             for bucket in names], strict=True)
-                    self._sent = (token, version, list(layouts), list(buffers))
+                    group = self._group_for(flat[0][1].device)
+                    layouts = [layout for layout, _ in flat]
+                    buffers = [buffer.to(group.device) for _, buffer in flat]  # a copy only for gloo with CUDA weights
+                    self._sent = (token, version, layouts, buffers)
                     self.latest = None  # an object-store copy of an older push: dropped
                     done = self.actor.receive_weights.remote(token, version, group.name, layouts)
                     try:

@@ -36,32 +36,19 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tether.learner.buckets import cut_buckets
+
 MiB = 1024 * 1024
 ALIGN = 16
 """Bytes: each tensor starts at a multiple of this in its bucket's buffer (``Tensor.view(dtype)`` needs its offset
 to be a multiple of the dtype's size)."""
-
-
-def cut_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
-    """The state dict's names in order, cut into buckets of at most ``bucket_bytes`` bytes (a larger tensor alone)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    buckets: list[list[str]] = []
-    size = bucket_bytes  # forces a new bucket for the first tensor
-    for name, tensor in state_dict.items():
-        n = tensor.numel() * tensor.element_size()
-        if size + n > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += n
-    return buckets
 
 
 def pack_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -85,15 +72,17 @@ class WeightPush:
         self.token, self.version, self.refs, self.nbytes = token, version, refs, nbytes
 
 
-def put_buckets(buckets: list[dict[str, torch.Tensor]], token: int, version: int) -> WeightPush:
+def put_buckets(buckets: Iterable[dict[str, torch.Tensor]], token: int, version: int) -> WeightPush:
+    """Put each bucket into the object store (as contiguous CPU tensors) as it comes: a bucket is dropped here before
+    the next is asked for."""
     import ray  # noqa: PLC0415 — the optional extra ``ray``
 
-    nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
-    return WeightPush(token, version, [ray.put(b) for b in buckets], nbytes)
-
-
-def put_weights(state_dict: dict[str, torch.Tensor], token: int, version: int, bucket_bytes: int) -> WeightPush:
-    return put_buckets(pack_buckets(state_dict, bucket_bytes), token, version)
+    refs, nbytes = [], 0
+    for bucket in buckets:
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in bucket.items()}
+        nbytes += sum(t.numel() * t.element_size() for t in cpu.values())
+        refs.append(ray.put(cpu))
+    return WeightPush(token, version, refs, nbytes)
 
 
 # ------------------------------------------------------------------------------------------- the broadcast (nccl)

@@ -17,9 +17,10 @@ code path on every rank, so the collectives line up by construction. What only r
 
 The surface: every ``Learner`` member that ``tether/pipeline`` and ``learner/checkpoint.py`` use — ``train_step``,
 ``skip_step``, ``streams`` / ``begin_step`` → ``add_trajectories`` → ``finish_step`` (``pipeline/streaming.py``'s
-group-by-group update), ``state_dict_for_engine``, ``worker.on_sync``, ``describe``, ``version``, ``kl_coef``,
-``kl_guard_stops``, ``model``; and for the functions the pipeline calls on ``learner.model`` that gather shards, the
-group's own: ``save_checkpoint`` / ``load_checkpoint`` (``learner/checkpoint.py``'s) and ``unsharded_model``.
+group-by-group update), ``state_dict_for_engine`` / ``weight_buckets`` (a gather per bucket), ``worker.on_sync``,
+``describe``, ``version``, ``kl_coef``, ``kl_guard_stops``, ``model``; and for the functions the pipeline calls on
+``learner.model`` that gather shards, the group's own: ``save_checkpoint`` / ``load_checkpoint``
+(``learner/checkpoint.py``'s) and ``unsharded_model``.
 
 What a rank trains. Every rank holds the whole batch and trains its share of every micro-batch
 (``tether.learner.ranks``), its loss over the whole micro-batch's denominator, the gradients summed by FSDP: N ranks
@@ -54,7 +55,7 @@ import itertools
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from tether.learner import fsdp
+from tether.learner.buckets import cut_buckets
 from tether.learner.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint, temp_dir
 from tether.learner.learner import Learner
 from tether.learner.ranks import Ranks, TalliedRanks, full_tensor
@@ -93,7 +95,7 @@ class _Commands:
     """What each command does on one rank, rank 0 and the others alike (their results are used on rank 0 only)."""
 
     NAMES = frozenset({"hello", "train_step", "skip_step", "begin_step", "add_trajectories", "finish_step",
-                       "state_dict_for_engine", "on_sync", "save_checkpoint", "load_checkpoint", "unsharded_model"})
+                       "gather", "on_sync", "save_checkpoint", "load_checkpoint", "unsharded_model"})
 
     def __init__(self, learner: Learner):
         ranks = learner.ranks
@@ -128,11 +130,12 @@ class _Commands:
         update, self.update = self.update, None
         return self._reduced(self.learner.finish_step(update))
 
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """``Learner.state_dict_for_engine`` on rank 0; the other ranks take part in each gather and keep nothing."""
-        out = {}
-        for name, value in self.learner.model.state_dict().items():
-            whole = full_tensor(value)
+    def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The whole tensors ``names`` of the model's state dict, copied, on rank 0; the other ranks take part in
+        each gather and keep nothing."""
+        state, out = self.learner.model.state_dict(), {}
+        for name in names:
+            whole = full_tensor(state[name])
             if self.lead:
                 out[name] = whole.detach().clone()
         return out
@@ -318,7 +321,14 @@ class LearnerGroup:
         return self._call("finish_step")
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        return self._call("state_dict_for_engine")
+        """The whole weights on rank 0 (``Learner.state_dict_for_engine``), gathered in one command."""
+        return self._call("gather", list(self.learner.model.state_dict()))
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """``Learner.weight_buckets``: one command per bucket, so rank 0 holds one gathered bucket beside its shards
+        while a consumer sends and drops each (``RolloutHandle.update_weights_from_buckets``)."""
+        for names in cut_buckets(self.learner.model.state_dict(), bucket_bytes):
+            yield self._call("gather", names)
 
     def save_checkpoint(self, path: str | Path, tokenizer: Any, extra: dict[str, Any] | None = None) -> Path:
         """A checkpoint of the group: ``tether.learner.checkpoint.save_sharded_checkpoint`` on every rank (the shards

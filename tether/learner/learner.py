@@ -71,7 +71,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,6 +82,7 @@ from tether.config.sections import LearnerConfig
 from tether.config.teacher import TeacherConfig
 from tether.learner.accumulate import Accumulation, weighted_mean
 from tether.learner.batch import TrainBatch
+from tether.learner.buckets import cut_buckets
 from tether.learner.detach import make_worker
 from tether.learner.distill import Distillation
 from tether.learner.logits import forward
@@ -294,6 +295,14 @@ class Learner:
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
         return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """``state_dict_for_engine`` in buckets of at most ``bucket_bytes`` bytes (``tether.learner.buckets``), each
+        gathered and copied when it is asked for: a consumer that sends and drops each bucket never holds more than
+        one beside the model."""
+        state = self.model.state_dict()
+        for names in cut_buckets(state, bucket_bytes):
+            yield {k: full_tensor(state[k]).detach().clone() for k in names}
 
 
 def _no_dropout(model: torch.nn.Module) -> bool:

@@ -38,7 +38,10 @@ class WeightSync:
     def push(self) -> None:
         """Load the learner's weights into the engine as ``self.version`` and tell the subscribers."""
         t = time.perf_counter()
-        self.engine.update_weights(self.learner.state_dict_for_engine(), self.version)
+        if hasattr(self.engine, "update_weights_from_buckets"):  # backend: ray — gathered and sent bucket by bucket
+            self.engine.update_weights_from_buckets(self.learner.weight_buckets(self.engine.bucket_bytes), self.version)
+        else:  # the engine loads every tensor at once (one version at a step boundary): the whole state dict
+            self.engine.update_weights(self.learner.state_dict_for_engine(), self.version)
         for listener in self._listeners:
             listener(self.version)
         elapsed = time.perf_counter() - t
