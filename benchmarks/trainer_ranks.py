@@ -38,10 +38,21 @@ in each of 2), so the ideal step-time ratio is about 1, not ½ — a speed-up ne
 the ranks cost (the broadcast, the collectives, a share padded to its longest row, one thread's worse use of a core's
 neighbour); below 1 is one process's second thread scaling worse than a second process. What CPU does show is the
 memory: each rank holds half the weights and moments, and the activations of its half of each micro-batch; the
-interpreter and torch (a few hundred MB) are paid per rank.
+interpreter and torch (a few hundred MB) are paid per rank. On a shared machine the 2-thread layout is the fragile
+one: an OpenMP team waits at every barrier for a thread whose core another process holds (``tether.threads``), so
+its steps swing (the demo's: 3.8 to 11 s in one run) while 2 one-thread ranks hold steady; ``--one-thread`` and the
+CPU seconds are the comparisons that survive the noise.
 
-``--tiny``: a 1-layer, 32-wide model and its 4× (128), 2 groups × 4 trajectories of ~40-token prompts, 1 warm-up and
-2 measured steps (seconds; the test's). Exits 1 when a figure (a time, a size, a step's loss) is not finite.
+Measured on 7ef5b96 (2 cores shared with other jobs, load 2–6; medians of 3 steps, the wide model's of 1):
+    demo  1.14 M params: 1 rank × 2 threads 10.9 s, 2 ranks × 1 thread 6.9 s, 1 rank × 1 thread 5.7 s (CPU 5.8 s; 2
+          ranks 7.4 s together: at this size the broadcast and collectives add 28 %); peak RSS per rank 1317 → 946 MB,
+          weights + AdamW per rank 0.54×
+    wide  14.0 M params: 37.3 s, 42.2 s, 55.0 s (CPU 53.0 s; 2 ranks 51.0 s together); peak RSS per rank 3185 →
+          2073 MB, what the learner added 2743 → 1624 MB, weights + AdamW per rank 0.51×
+
+``--tiny``: a 1-layer, 32-wide model and its 4× (128), a 512-token vocabulary, 2 groups × 4 trajectories of ~40-token
+prompts, 1 warm-up and 2 measured steps (seconds; the test's). Exits 1 when a figure (a time, a size, a step's loss)
+is not finite.
 """
 
 from __future__ import annotations
