@@ -58,6 +58,7 @@ is not finite.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -227,8 +228,10 @@ def run_case(case: Case, out: Path) -> dict[str, Any]:
     batches = [batch(step, case.shape) for step in range(1, case.warmup + case.steps + 1)]
     spawned = None
     if case.ranks > 1:  # before the model: the spawned interpreter starts from this process's imports only
-        spawned = spawn_ranks(case.ranks, follower, asdict(case), str(out), backend="gloo",
-                              timeout_s=300)
+        # rank 1 unpickles ``follower`` by its module's name: this file's, not ``__main__`` (on rank 1 that is the
+        # spawner's); this script's folder is on sys.path, which spawn_ranks hands the rank
+        rank_main = importlib.import_module(Path(__file__).stem).follower
+        spawned = spawn_ranks(case.ranks, rank_main, asdict(case), str(out), backend="gloo", timeout_s=300)
     try:
         model = build_model(case.arch, case.shape.vocab)
         params = sum(p.numel() for p in model.parameters())
