@@ -75,6 +75,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from tether.algo.kl_control import exceeds_max_kl, kl_controller
 from tether.config.policy import PolicyOptimConfig
@@ -250,6 +251,8 @@ class Learner:
         """Close a step: version, KL controller, the step's metrics (returned and recorded)."""
         self.kl_guard_stops += stopped
         self.version += 1
+        if isinstance(self.ref_model, FSDPModule):  # FSDP2 leaves a root unit gathered after a forward (it expects the
+            self.ref_model.reshard()  # backward to follow); the reference has none: back to its shards until needed
         trained = math.fsum(v for v, _ in acc.pop("optim/trained_tokens", []))  # every update and pass of the step
         metrics = {name: weighted_mean(vals) for name, vals in acc.items()}
         metrics["optim/trained_tokens"] = trained
