@@ -68,8 +68,9 @@ class RayConfig(Section):
     restarted rollouter catches up through the object store). ``perf/weight_sync_mb`` and ``perf/weight_sync_s``
     measure either; ``ray/weight_group_joins`` counts the broadcast groups made."""
     weight_bucket_mb: PosFloat = 256.0
-    """Size of one weight bucket, in MiB: the state dict is put into the object store in buckets of at most this
-    many bytes (one tensor larger than a bucket is a bucket of its own); ``perf/weight_sync_buckets`` counts them."""
+    """Size of one weight bucket, in MiB: at each sync the trainer gathers its weights a bucket of at most this many
+    bytes at a time (one tensor larger than a bucket is a bucket of its own) and puts or broadcasts each before it
+    gathers the next; ``perf/weight_sync_buckets`` counts them."""
     max_actor_restarts: NonNegInt = 3
     """How often a dead rollouter actor is restarted (its in-flight groups re-queued, the latest weights sent
     again) before the run fails. 0 = a rollouter failure ends the run."""
