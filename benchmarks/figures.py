@@ -337,7 +337,7 @@ def git(root: Path, *args: str) -> str:
 def code_id(root: Path) -> dict[str, str]:
     """The code being measured: HEAD, and a hash of the uncommitted changes outside this script's own files."""
     sha = git(root, "rev-parse", "HEAD")
-    exclude = [f":(exclude){p}" for p in OWN]
+    exclude = [f":(exclude){p}" for p in (*OWN, ".venv")]  # a worktree's link to the checkout's venv is no code
     status = git(root, "status", "--porcelain", "--", ".", *exclude)
     if not status:
         return {"commit": sha, "changes": ""}
