@@ -30,6 +30,7 @@ def test_truncated_is_token_level():
     assert torch.equal(keep, mask)
     assert close(m["is_ratio_mean"], 1.857496)  # (1.105171 + 0.606531 + 2.718282 + 3) / 4 = 7.429984 / 4
     assert close(m["is_ratio_max"], 3.0) and close(m["is_ratio_min"], 0.606531)
+    assert close(m["is_log_ratio_abs"], 0.674653)  # (0.1 + 0.5 + 1 + ln 3 = 1.098612) / 4 = 2.698612 / 4
     assert close(m["is_weight_mean"], 1.427925)  # (1.105171 + 0.606531 + 2 + 2) / 4 = 5.711702 / 4
     assert close(m["is_truncated_fraction"], 0.5) and close(m["is_masked_fraction"], 0.0)  # t2, t3 of 4
 

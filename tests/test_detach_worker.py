@@ -134,11 +134,12 @@ def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run):
     held, _, _ = small_run("detach", *common, "actor_worker.class=DetachActorWorker")
     p, h = plain[1:], held[1:]
     assert p[0]["optim/is_ratio_mean"] == pytest.approx(h[0]["optim/is_ratio_mean"], abs=1e-6)  # same step 1
-    gap_plain = abs(p[1]["optim/is_ratio_mean"] - 1.0)
-    gap_held = abs(h[1]["optim/is_ratio_mean"] - 1.0)
-    print(f"step 2 |is_ratio_mean - 1|: ActorWorker {gap_plain:.2e}, DetachActorWorker {gap_held:.2e}; "
+    # the gap's size, not the mean ratio: E_behav[π_prox/π_behav] = 1 whatever π_prox is, so is_ratio_mean can sit
+    # at 1 ± 1e-5 with ActorWorker too (seen once in CI: step 1 all-degenerate, its update the entropy bonus alone)
+    gap_plain, gap_held = p[1]["optim/is_log_ratio_abs"], h[1]["optim/is_log_ratio_abs"]
+    print(f"step 2 mean |log π_prox - log π_behav|: ActorWorker {gap_plain:.2e}, DetachActorWorker {gap_held:.2e}; "
           f"detach save {h[1]['perf/detach_save_s']:.2e} s, restore {h[1]['perf/detach_restore_s']:.2e} s")
-    assert gap_held <= 1e-5 and gap_plain > 1e-4  # measured: 0 and 7e-4 .. 6e-3 (the samples vary with the run)
+    assert gap_held <= 1e-5 and gap_plain > 1e-3  # measured: ≤ 1.4e-07 and 0.07 .. 0.09
     assert h[1]["perf/detach_restore_s"] > 0 and "perf/detach_restore_s" not in p[1]
 
 

@@ -53,3 +53,4 @@ def test_a_scored_prox_applies_the_correction_around_it():
     assert out.loss.item() == pytest.approx(-2.0)
     assert out.metrics["optim/is_masked_fraction"].item() == pytest.approx(0.5)
     assert out.metrics["optim/is_ratio_mean"].item() == pytest.approx((math.exp(0.5) + 1) / 2)
+    assert out.metrics["optim/is_log_ratio_abs"].item() == pytest.approx((0.5 + 0.0) / 2)

@@ -108,7 +108,8 @@ def is_weights(
         weights: [B, L] detached float32, 0 where mask is 0 or the token is rejected.
         keep: [B, L] ``mask`` (its dtype) with rejected tokens set to 0.
         metrics: over the unmasked tokens: ``is_ratio_mean``, ``is_ratio_max``, ``is_ratio_min`` (the token
-            ratio ρ_t whatever the method and level: the raw mismatch), ``is_weight_mean``,
+            ratio ρ_t whatever the method and level: the raw mismatch), ``is_log_ratio_abs`` (mean |log ρ_t|: the
+            mismatch's size, which ``is_ratio_mean`` hides — E_behav[ρ] = 1 whatever π_prox is), ``is_weight_mean``,
             ``is_masked_fraction`` (rejected by the band), ``is_truncated_fraction`` (weight capped at C).
     """
     if method not in _METHODS:
@@ -147,6 +148,7 @@ def is_weights(
 
     metrics = {
         "is_ratio_mean": _token_mean(rho_tok, mask),
+        "is_log_ratio_abs": _token_mean(delta.abs(), mask),
         "is_ratio_max": rho_tok[on].max() if on.any() else torch.tensor(1.0),
         "is_ratio_min": rho_tok[on].min() if on.any() else torch.tensor(1.0),
         "is_weight_mean": _token_mean(weights, mask),

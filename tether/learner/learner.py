@@ -52,7 +52,8 @@ Metrics of a step (returned and recorded):
     optim/kl_divergence    mean per-token value of the configured estimator (k1/k2/k3) of KL(π_θ ‖ π_ref) over
                            the model tokens; absent when KL is off
     optim/kl_coef          the coefficient used (0 when KL is off)
-    optim/is_ratio_mean    mean π_prox/π_behav over the model tokens, and
+    optim/is_ratio_mean    mean π_prox/π_behav over the model tokens (≈ 1 in expectation whatever the gap),
+    optim/is_log_ratio_abs mean |log π_prox − log π_behav| over the model tokens (the gap's size), and
     optim/is_masked_fraction  the fraction the correction masked out (only with a correction)
     optim/clip_ratio_low   fraction of model tokens whose clip was active (r < 1 − ε_low, A < 0), and
     optim/clip_ratio_high  (r > 1 + ε_high, A > 0), as ``clipped_surrogate`` counts them

@@ -24,7 +24,7 @@ from tether.learner.distill import Distillation, DistillInputs
 from tether.learner.objective import Objective
 
 _POLICY_METRICS = ("clip_ratio_low", "clip_ratio_high", "dual_clip_ratio", "cispo_clip_ratio")
-_IS_METRICS = ("is_ratio_mean", "is_masked_fraction")
+_IS_METRICS = ("is_ratio_mean", "is_log_ratio_abs", "is_masked_fraction")
 
 
 @dataclass(frozen=True)
