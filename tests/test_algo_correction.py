@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tether.algo import aggregate, clipped_surrogate, decoupled_surrogate, is_weights
+from tether.algo import aggregate, clipped_surrogate, decoupled_surrogate, is_weights, mismatch_metrics
 
 
 def close(t, expected, tol=1e-5):
@@ -180,3 +180,15 @@ def test_stale_behaviour_logprobs_explode_uncorrected_but_stay_bounded_corrected
     tok, _ = decoupled_surrogate(logp, prox, behav, adv, mask, clip_low=0.2, clip_high=0.28, behav_cap=C)
     (grad,) = torch.autograd.grad(aggregate(tok, mask, "token_mean"), logp)
     assert abs(grad.norm().item() - g_tis) < 1e-6
+
+
+def test_mismatch_metrics_by_hand():
+    # Δ = [0.1, −0.5, 1, ln 3] on the unmasked tokens (token_inputs); the masked one's −inf never leaks
+    prox, behav, mask = token_inputs()
+    m = mismatch_metrics(prox, behav, mask)
+    assert close(m["logp_abs_diff_mean"], 0.674653)  # (0.1 + 0.5 + 1 + 1.098612) / 4
+    # k3 = e^Δ − 1 − Δ: 0.005171, 0.106531, 0.718282, 3 − 1 − 1.098612 = 0.901388 → 1.731372 / 4
+    assert close(m["mismatch_kl"], 0.432843)
+    assert m["mismatch_tokens"].item() == 4.0
+    same = mismatch_metrics(prox, prox.clone(), mask)  # the same weights and arithmetic: no gap
+    assert same["logp_abs_diff_mean"].item() == 0.0 and same["mismatch_kl"].item() == 0.0

@@ -48,6 +48,8 @@ def test_a_healthy_run_is_silent():
     ("signal/degenerate_groups", "optim/degenerate_group_ratio_before_filter", 0.95),  # > 0.9
     ("shift/kl", "optim/kl_divergence", 0.06),  # > max_kl 0.05
     ("shift/importance_ratio", "optim/is_masked_fraction", 0.25),  # > 0.2
+    ("shift/mismatch", "rollout/logp_abs_diff_mean", 0.2),  # > 0.1 (a sync that failed, TRL #5312)
+    ("shift/mismatch_kl", "rollout/mismatch_kl", 0.02),  # > 0.01
 ])
 def test_a_check_fires_once_after_patience_steps_in_a_row(check, metric, bad):
     # ok, bad, bad, ok (streak broken), bad, bad, bad (3rd in a row: fires at step 7), bad (no second warning)
@@ -135,6 +137,8 @@ def test_distinct_strategies_and_hacking_rate_are_measured_from_the_groups():
     ("max_degenerate_ratio", 0.99, [{"optim/degenerate_group_ratio_before_filter": 0.95}] * 3,
      ["signal/degenerate_groups"], []),
     ("max_is_masked_fraction", 0.3, [{"optim/is_masked_fraction": 0.25}] * 3, ["shift/importance_ratio"], []),
+    ("max_logp_abs_diff", 0.3, [{"rollout/logp_abs_diff_mean": 0.2}] * 3, ["shift/mismatch"], []),
+    ("max_mismatch_kl", 0.05, [{"rollout/mismatch_kl": 0.02}] * 3, ["shift/mismatch_kl"], []),
     ("trend_window", 6, [{"reward/mean": r} for r in (0.2, 0.2, 0.4, 0.4)], ["hacking/reward_without_success"], []),
     ("reward_rise", 0.3, [{"reward/mean": r} for r in (0.2, 0.2, 0.4, 0.4)], ["hacking/reward_without_success"], []),
 ])

@@ -23,7 +23,7 @@ diversity bonus).
 from tether.algo.advantages import broadcast_to_tokens, group_advantages
 from tether.algo.aggregation import aggregate, loss_denominator
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts, gradient_variance_proxy
-from tether.algo.correction import behaviour_log_ratio, decoupled_surrogate, is_weights
+from tether.algo.correction import behaviour_log_ratio, decoupled_surrogate, is_weights, mismatch_metrics
 from tether.algo.diversity import cluster_ids, diversity_bonus, strategy_signature
 from tether.algo.filters import degenerate_groups, group_reward_std, resample_or_drop
 from tether.algo.kl import kl_estimate, kl_penalty
@@ -64,6 +64,7 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "loss_denominator",
+    "mismatch_metrics",
     "resample_or_drop",
     "strategy_signature",
 ]

@@ -42,6 +42,14 @@ class MonitorsConfig(Section):
     max_is_masked_fraction: PosFloat = 0.2
     """Shift: the fraction of tokens whose importance ratio falls outside the correction band
     (``optim/is_masked_fraction``) above this means the behaviour policy and the trained one have drifted apart."""
+    max_logp_abs_diff: PosFloat = 0.1
+    """Shift: the train–inference mismatch, mean |log π_train − log π_behav| over the tokens the trainer scored under
+    the very weights that sampled them (``rollout/logp_abs_diff_mean``), above this means the engine does not run the
+    weights the trainer has — a weight sync that did not arrive, a dtype or kernel that differs too much. fp32 on one
+    machine: ~1e-6; bf16: ~0.01–0.02 is healthy (TRL #5312), a silently failed sync measured 0.20."""
+    max_mismatch_kl: PosFloat = 0.01
+    """Shift: the k3 estimate of KL(π_behav ‖ π_train) over the same tokens (``rollout/mismatch_kl``) above this
+    (dense models in bf16: 1e-5 to 1e-3 per token)."""
     hacking_rate_rise: PosFloat = 0.1
     """Hacking: a rise of the fraction of delivered trajectories with an anti-hacking flag
     (``monitor/hacking_flag_rate``) of at least this over ``trend_window`` steps (the second half's mean against

@@ -10,9 +10,11 @@ measures:
   tool_parser.*), ``optim/raw_reward_std_within_group`` below ``min_reward_std``, or
   ``optim/degenerate_group_ratio_before_filter`` above ``max_degenerate_ratio``. Remedy: degenerate_group_filter
   .min_reward_std and .resample_attempts; base_rollouts_per_prompt 8 → 4 with max_rollouts_per_prompt 48.
-- **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, or ``optim/is_masked_fraction``
-  above ``max_is_masked_fraction``. Remedy: clip_ratio 0.2 → 0.1, token_level_clipping, tis_enabled, target_kl;
-  update_frequency, batch_size.
+- **shift**: staleness above ``max_staleness`` (fails at once), KL above ``max_kl``, ``optim/is_masked_fraction``
+  above ``max_is_masked_fraction``, or the train–inference mismatch (``rollout/logp_abs_diff_mean`` above
+  ``max_logp_abs_diff``, ``rollout/mismatch_kl`` above ``max_mismatch_kl``: the engine not running the trainer's
+  weights). Remedy: clip_ratio 0.2 → 0.1, token_level_clipping, tis_enabled, target_kl; update_frequency,
+  batch_size; for the mismatch, the weight-sync lines of train.log and model.dtype.
 - **hacking**: the flagged fraction rising by ``hacking_rate_rise`` over ``trend_window`` steps while the reward does
   not fall, or reward up
   while success is flat (and the flags not falling) over ``trend_window`` steps. Remedy: anti_hacking.detect_patterns,
@@ -158,6 +160,9 @@ def checks(m: MonitorsConfig, po: PolicyOptimConfig, *, parser: str, max_stalene
     hacking = ("turn on each pattern of environment.verifier.anti_hacking.detect_patterns and see which fires; "
                "add a model rubric (environment.verifier.model_based) that scores how the task was done, not "
                "only the outcome")
+    mismatch = ("check `parameter sync: param_version=N` lines in RUN/train.log (every sync must reach the engine), "
+                "that engine and trainer load the same model.dtype, and turn on learner.off_policy_correction "
+                "(e.g. token-level truncated importance sampling) so the gap is corrected")
     explore = ("raise policy_optimization.exploration.entropy_coef or clip_higher (e.g. 0.28), enable "
                "exploration.diversity_bonus, or raise engine.temperature")
     return [
@@ -202,6 +207,16 @@ def checks(m: MonitorsConfig, po: PolicyOptimConfig, *, parser: str, max_stalene
               "distribution shift: the policy that sampled the tokens and the one being trained disagree on many "
               "of them; the off-policy correction discards their gradient", shift,
               _above("optim/is_masked_fraction", m.max_is_masked_fraction), p),
+        Check("shift/mismatch", "train–inference mismatch: mean |Δ log π| {value:.3g} > monitors.max_logp_abs_diff "
+              f"{m.max_logp_abs_diff:g}",
+              "distribution shift: the trainer and the rollout engine give the same tokens different probabilities "
+              "under the same weights — the engine is not running the trainer's weights (a weight sync that did not "
+              "arrive) or computes too differently (dtype, kernels)", mismatch,
+              _above("rollout/logp_abs_diff_mean", m.max_logp_abs_diff), p),
+        Check("shift/mismatch_kl", "train–inference mismatch KL {value:.3g} > monitors.max_mismatch_kl "
+              f"{m.max_mismatch_kl:g}",
+              "distribution shift: the trainer and the rollout engine disagree on the sampled tokens under the same "
+              "weights", mismatch, _above("rollout/mismatch_kl", m.max_mismatch_kl), p),
         Check("hacking/flags", "the fraction of trajectories flagged by the anti-hacking detectors rose by {value:.0%} "
               f"over {m.trend_window} steps (monitors.hacking_rate_rise {m.hacking_rate_rise:g})",
               "reward hacking: the policy is learning a pattern the verifier flags (repeated calls, stuffing)",
