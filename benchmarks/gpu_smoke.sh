@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# GPU smoke test: FSDP2 + the local engine on a 0.5B-parameter Qwen2-architecture model built from its config
-# (random weights, no download), a few RL steps; prints tokens/s, step time and weight-sync time.
+# GPU acceptance run (≤ 8 minutes on one GPU): a 0.5B-parameter Qwen2-architecture model built from its config
+# (random weights, nothing downloaded or installed) in bf16: engine decode tokens/s at batch 1, 64 and 256 beside HF
+# generate and the memory-bandwidth limit, prefill tokens/s, learner tokens/s and MFU beside a measured matmul, a few
+# RL steps with their weight-sync time, peak memory. One markdown table on stdout (figures and how each is computed:
+# benchmarks/gpu_smoke.py's docstring), progress with timestamps on stderr; exit 1 when a figure is missing or not
+# finite, 2 without a GPU.
 #
-#   benchmarks/gpu_smoke.sh                 one NVIDIA GPU (needs a CUDA build of torch in $PYTHON's environment)
-#   benchmarks/gpu_smoke.sh --tiny          CPU, a 2-layer model (CI runs this: tests/test_gpu_smoke.py)
-#   benchmarks/gpu_smoke.sh --steps 8 --prompts 16 --max-tokens 256
+#   benchmarks/gpu_smoke.sh 2>&1 | tee gpu_smoke.log   one NVIDIA GPU (a CUDA build of torch in $PYTHON's environment)
+#   benchmarks/gpu_smoke.sh --tiny          CPU, a 2-layer model, fp32 (CI runs this: tests/test_gpu_smoke.py)
+#   benchmarks/gpu_smoke.sh --tiny --dtype bfloat16
+#   benchmarks/gpu_smoke.sh --batches 1,64 --steps 2 --budget-s 300
 #
 # PYTHON overrides the interpreter (default: .venv/bin/python of this checkout, else python3).
 set -euo pipefail
