@@ -26,6 +26,18 @@ if [[ $tiny == 0 ]]; then
         exit 2
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    # Every module the run imports, named at once (nothing is installed here: a machine without them fails now, not
+    # half-way); with the versions the table's figures depend on.
+    "$python" - <<'PY' || exit 2
+import importlib.util, sys
+need = ["torch", "transformers", "tokenizers", "safetensors", "pydantic", "yaml", "jinja2", "numpy", "httpx"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_smoke: {sys.executable} lacks {', '.join(missing)} (tether's dependencies; nothing is installed)")
+import torch, transformers
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
+      f"{torch.cuda.is_available()}), transformers {transformers.__version__}", flush=True)
+PY
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
