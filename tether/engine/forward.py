@@ -12,10 +12,16 @@ token to each of slots ``0..n-1`` (or ``first..first+n-1``: the deterministic en
 time) and returns the next-token logits; ``move`` puts one slot's cache into another.
 The fast runner can also extend a slot whose cache already holds a prefix (``prefill(..., starts)``,
 ``copy_prefix``), which the engine uses to reuse the KV of an earlier turn or a shared prompt.
+
+Devices and dtypes: every operator the fast path calls has a CUDA kernel but one, the CPU attention kernel that
+``attention_lse`` calls on a CPU (its portable path elsewhere; ``tests/test_cuda_kernels.py`` checks both). A bf16 or
+fp16 model runs as HF runs it: weights, activations and the KV cache in the model's dtype, RMSNorm in float32, logits
+cast to float32 (sampling and logprobs in float32); the cascade's log-sum-exps and their merge in float32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +34,44 @@ from tether.engine.kv_cache import SlotKVCache
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # scaled_dot_product_attention's CPU kernel, which also returns the log-sum-exp of each query's scores
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# attention_lse's portable path on a CPU too (the path every other device takes; the tests check it there). Read when a
+# runner is built.
+PORTABLE_ATTENTION = False
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale + attn_mask)·v and the log-sum-exp of each query's scores, for cascade attention.
+
+    q [B, H, M, hd], k/v [B, H, N, hd], attn_mask additive, broadcast to [B, H, M, N]. Returns out [B, H, M, hd] in
+    q's dtype and lse [B, H, M] in float32; by ``attention_lse_for(q.device)``."""
+    return attention_lse_for(q.device)(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def attention_lse_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``attention_lse``'s implementation on ``device`` (a runner picks it once: decode calls it twice a layer).
+
+    On a CPU: the CPU kernel of ``scaled_dot_product_attention``, which returns the log-sum-exp but has no CUDA kernel
+    (``_portable_attention_lse`` measured 2x slower per call on a CPU: 108 vs 53 µs for 8 samples' 16 queries per
+    KV head over the demo model's 600-token shared prompt).
+    Elsewhere, and on a CPU with ``PORTABLE_ATTENTION``: ``_portable_attention_lse``."""
+    return _flash if device.type == "cpu" and not PORTABLE_ATTENTION else _portable_attention_lse
+
+
+def _portable_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_lse`` from device-generic ops: the scores and their log-sum-exp in float32, as flash kernels keep
+    them (bf16 scores would round a score of 10 by up to 0.03), the probabilities rounded to v's dtype for the second
+    matmul, as flash kernels do. It forms the [B, H, M, N] scores: fine for cascade decode (a few queries per head,
+    or one batch row of them over the shared prompt), not for a long prefill. A query that sees no key gets a NaN
+    row (the engine never asks for one)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float() * scale, k.float().mT)  # [B, H, M, N]
+    if attn_mask is not None:
+        scores += attn_mask
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, M]
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+    return torch.matmul(probs.to(v.dtype), v).to(q.dtype), lse
 
 
 def fast_path_problem(model: Any) -> str | None:
@@ -95,6 +139,7 @@ class LlamaFamilyRunner:
         self.eps = cfg.rms_norm_eps
         self.scaling = model.model.layers[0].self_attn.scaling
         self.dtype, self.device = model.dtype, model.device
+        self._attention_lse = attention_lse_for(self.device)
         self.cache = SlotKVCache(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim,
                                  cfg.max_position_embeddings, self.dtype, self.device)
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -290,11 +335,15 @@ class LlamaFamilyRunner:
         n, kv, m, hd = q.shape
         src = slots.start if isinstance(slots, slice) else int(slots[0])
         qp = q.transpose(0, 1).reshape(1, kv, n * m, hd)  # every query of a KV head, one batch row
-        out_p, lse_p = _flash(qp, k[src:src + 1, :, :shared], v[src:src + 1, :, :shared], scale=self.scaling)
+        attention_lse = self._attention_lse
+        out_p, lse_p = attention_lse(qp, k[src:src + 1, :, :shared], v[src:src + 1, :, :shared], scale=self.scaling)
         out_p, lse_p = out_p.view(kv, n, m, hd).transpose(0, 1), lse_p.view(kv, n, m).transpose(0, 1)
-        out_s, lse_s = _flash(q, own_k, own_v, attn_mask=mask, scale=self.scaling)
+        out_s, lse_s = attention_lse(q, own_k, own_v, attn_mask=mask, scale=self.scaling)
         # weights e^lse_p : e^lse_s, i.e. sigmoid(lse_p - lse_s) for the shared part
-        return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s).unsqueeze(-1))
+        weight = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)  # float32, as the log-sum-exps
+        if out_s.dtype != weight.dtype:  # bf16/fp16 parts: merged in float32, then rounded to their dtype
+            return torch.lerp(out_s.float(), out_p.float(), weight).to(out_s.dtype)
+        return torch.lerp(out_s, out_p, weight)
 
     def copy_prefix(self, src: int, dst: int, n: int, keep: int = 0) -> None:
         """Slot ``dst`` gets the first ``n`` cached tokens of slot ``src``; it holds the first ``keep`` already."""
