@@ -12,7 +12,8 @@ only had to read the weights once (KV-cache reads and compute ignored: optimisti
 batch × prompt length ÷ T₁ at the largest batch; **learner** tokens/s = the prompt + response tokens of 64 synthetic
 trajectories of 128 + 384 tokens ÷ the median ``Learner.train_step`` time (FSDP2 over one rank, bf16 compute with
 fp32 master weights and optimizer state, one update per step, no KL); **learner MFU** = 6 × parameters × learner
-tokens/s ÷ matmul peak (forward + backward; attention's FLOPs not counted); **RL step** = a step of the loop in
+tokens/s ÷ matmul peak, counting the LM head on the response tokens only, where the learner runs it (forward +
+backward; attention's FLOPs not counted); **RL step** = a step of the loop in
 miniature through tether's own pieces (the LocalEngine samples ``group_size`` completions per chat prompt → a reward
 per completion, its distinct-token ratio → group-relative advantages → ``Learner.train_step`` with DetachActorWorker,
 4 passes and a KL term to a sharded reference → every second step a **weight sync**: the weights gathered from the
@@ -236,6 +237,10 @@ def run_all(report: bench.Report, sizes: bench.Sizes, args: argparse.Namespace, 
         model, tokenizer = build(args.tiny, device, Path(tmp))
         engine_model = copy.deepcopy(model).to(dtype).eval()  # the engine's own copy, in the run's dtype
         facts["params"] = sum(p.numel() for p in engine_model.parameters())  # tied embeddings counted once
+        head = engine_model.get_output_embeddings().weight  # the LM head (Qwen2-0.5B: the embedding table, tied)
+        tables = {id(head), id(engine_model.get_input_embeddings().weight)}
+        facts["body_params"] = sum(p.numel() for p in engine_model.parameters() if id(p) not in tables)
+        facts["head_params"] = head.numel()
         facts["param_bytes"] = sum(p.numel() * p.element_size() for p in engine_model.parameters())
         where = "tiny (CPU)" if args.tiny else torch.cuda.get_device_name(device)
         print(f"gpu_smoke: {where}, torch {torch.__version__}, transformers {transformers.__version__}; Qwen2 "
@@ -316,7 +321,8 @@ def measure_memory(report: bench.Report, device: torch.device) -> None:
 
 def add_references(report: bench.Report, sizes: bench.Sizes, facts: dict[str, Any]) -> None:
     """The reference column: ratios to the device's measured limits and to HF generate."""
-    bw, peak, param_bytes, params = (facts.get(k) for k in ("bw", "peak", "param_bytes", "params"))
+    bw, peak, param_bytes = (facts.get(k) for k in ("bw", "peak", "param_bytes"))
+    body, head = facts.get("body_params", 0), facts.get("head_params", 0)  # matmul parameters: layers, LM head
     for b in sizes.batches:
         limit = b * bw / param_bytes if bw else None
         if limit:
@@ -329,14 +335,18 @@ def add_references(report: bench.Report, sizes: bench.Sizes, facts: dict[str, An
         if hf and limit:
             report.rows[f"HF generate decode, batch {b}"].ref = f"{hf / limit:.1%} of bandwidth limit"
     prefill = report.get(f"engine prefill, batch {max(sizes.batches)}")
-    if prefill and peak:
+    if prefill and peak:  # the engine runs the LM head on a prompt's last position only
+        flops = 2 * (body + head / sizes.prompt_len)  # per prompt token
         report.rows[f"engine prefill, batch {max(sizes.batches)}"].ref = (
-            f"{sizes.prompt_len} tokens per prompt; {2 * params * prefill / peak:.1%} of matmul peak "
-            "(2 × params FLOPs per token)")
+            f"{sizes.prompt_len} tokens per prompt; {flops * prefill / peak:.1%} of matmul peak (2 × (layers' params "
+            "+ LM head ÷ prompt length) FLOPs per token)")
     learner = report.get("learner")
-    if learner and peak:
-        report.put("learner MFU", 100 * 6 * params * learner / peak,
-                   f"6 × {params / 1e6:.1f}M params × tokens/s ÷ measured matmul peak (attention not counted)")
+    if learner and peak:  # the learner runs the LM head on the response positions only (tether.learner.logits)
+        response = sizes.train_response / (sizes.train_prompt + sizes.train_response)
+        flops = 6 * (body + head * response)  # per token, forward + backward
+        report.put("learner MFU", 100 * flops * learner / peak,
+                   f"6 × ({body / 1e6:.1f}M layer params + {head / 1e6:.1f}M LM-head params × {response:.0%} of "
+                   "tokens) × tokens/s ÷ measured matmul peak (attention not counted)")
 
 
 if __name__ == "__main__":

@@ -92,9 +92,11 @@ def test_missing_or_non_finite_figures_are_bad_and_the_references_hold_the_formu
     report.put("HF generate decode, batch 4", 8.0)
     report.put("learner", 1000.0)  # tokens/s
     report.put("RL loss (last step)", math.nan)
-    # 10 GB/s over 1 GB of weights: 10 steps/s, so 40 tokens/s at batch 4; 1e6 params at 1000 tokens/s:
-    # 6e9 FLOP/s of a 1e10 FLOP/s peak = 60 % MFU
-    gpu_smoke.add_references(report, sizes, dict(bw=10e9, peak=1e10, param_bytes=1e9, params=1e6))
+    # 10 GB/s over 1 GB of weights: 10 steps/s, so 40 tokens/s at batch 4. The learner probe's tokens are 3/4
+    # response (16 + 48): 1e6 layer params + 4e6/3 LM-head params × 3/4 = 2e6 params a token, 6 × 2e6 × 1000 tokens/s
+    # = 1.2e10 FLOP/s of a 2e10 FLOP/s peak = 60 % MFU
+    gpu_smoke.add_references(report, sizes, dict(bw=10e9, peak=2e10, param_bytes=1e9, body_params=1e6,
+                                                 head_params=4e6 / 3))
     assert report.get("bandwidth limit, batch 4") == pytest.approx(40.0)
     assert report.get("bandwidth limit, batch 1") == pytest.approx(10.0)
     assert report.rows["engine decode, batch 4"].ref == "2.50× HF generate, 50.0% of bandwidth limit"
