@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from tether.config import RunConfig  # noqa: E402
 from tether.config.plan import Plan  # noqa: E402
 from tether.engine.base import SamplingParams  # noqa: E402
 from tether.engine.local import LocalEngine  # noqa: E402
+from tether.engine.prefix_cache import shared_prompt  # noqa: E402
 from tether.learner.fsdp import init_ranks, sharded_learner  # noqa: E402
 from tether.learner.model import build_tiny, load_model_and_tokenizer  # noqa: E402
 from tether.metrics import MetricsRecorder, set_recorder  # noqa: E402
@@ -69,6 +71,11 @@ QWEN2_0_5B: dict[str, Any] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
 TINY: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=1024)
+# Long enough that every request of a step shares more than MIN_SHARED_PROMPT (32) prompt tokens: the engine's decode
+# then runs the cascade attention over the shared prompt, as in the demo's groups.
+SYSTEM = ("You are a customer-service agent for an online store. Look orders and stock up with the tools, never invent "
+          "an order id, confirm with the customer before a refund or an address change, and answer in one or two "
+          "short sentences.")
 ASKS = ["Where is my order ORD-{n}?", "Is SKU-{n} in stock?", "I want a refund for order ORD-{n}.",
         "Please check order ORD-{n} and tell me when it ships.", "Can you change my address for ORD-{n}?"]
 
@@ -105,7 +112,7 @@ def rl_config(sizes: bench.Sizes, group: int) -> RunConfig:
 def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
-        messages = [{"role": "system", "content": "You are a customer-service agent."},
+        messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": ASKS[i % len(ASKS)].format(n=1000 + i)}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -272,6 +279,9 @@ def run_rl(report: bench.Report, sizes: bench.Sizes, group: int, device: torch.d
                               max_response_tokens=Plan.of(cfg).max_response_tokens, worker=cfg.actor_worker.class_,
                               param_dtype=None if dtype == torch.float32 else dtype)
     prompts = chat_prompts(tokenizer, sizes.prompts)
+    shared = shared_prompt([SimpleNamespace(prompt=p) for p in prompts])
+    report.log(f"rl: the {len(prompts)} prompts share {shared} tokens"
+               f"{': decode through the cascade attention' if shared else ': no cascade attention'}")
     rows = []
     for step in range(1, sizes.steps + 1):
         if step > 1 and time.perf_counter() - report.t0 > bench.DEADLINES["rl"] * sizes.budget_s:
@@ -282,7 +292,8 @@ def run_rl(report: bench.Report, sizes: bench.Sizes, group: int, device: torch.d
     median = {k: statistics.median(r[k] for r in rows) for k in ("step_s", "gen_tok_s", "train_tok_s")}
     every = f"{len(rows)} steps of {sizes.prompts} prompts × {group} completions × ≤ {sizes.max_tokens} tokens"
     report.put("RL step (median)", median["step_s"], every)
-    report.put("RL generated", median["gen_tok_s"], "engine, sampled at temperature 1, median")
+    cascade = f"cascade attention over the {shared} prompt tokens all share" if shared else "no shared prompt"
+    report.put("RL generated", median["gen_tok_s"], f"engine, sampled at temperature 1, {cascade}, median")
     report.put("RL trained", median["train_tok_s"], f"tokens × {cfg.learner.update_frequency} passes ÷ train_step time "
                "(with DetachActorWorker's π_prox and the KL reference's forwards), median")
     report.put("RL loss (last step)", rows[-1]["loss"], f"finite loss and grad norm in all {len(rows)} steps")

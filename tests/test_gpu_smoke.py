@@ -55,6 +55,7 @@ def test_gpu_smoke_tiny_prints_every_figure_finite():
     assert values["bandwidth limit, batch 8"] == pytest.approx(8 * values["bandwidth limit, batch 1"], rel=1e-3)
     assert "× HF generate" in rows["engine decode, batch 4"]["ref"]
     assert "1 syncs" in rows["weight sync (median)"]["ref"]  # after step 2 (every 2 steps)
+    assert re.search(r"cascade attention over the \d+ prompt tokens all share", rows["RL generated"]["ref"])
     assert "engine now version 1" in done.stderr and "rl step 2:" in done.stderr
 
 
