@@ -492,6 +492,8 @@ KEY_TESTS.update({
     # the trainer's worker (tests/test_detach_worker.py, tests/test_fsdp2.py)
     "actor_worker.class": "tests/test_detach_worker.py::test_flipping_the_class_changes_a_run_inside_a_sync_window",
     "actor_worker.strategy": "tests/test_fsdp2.py::test_a_run_with_fsdp2_trains_what_a_plain_run_does_and_resumes",
+    # not a seed key; the model section's compute dtype, flipped through a run
+    "model.dtype": "tests/test_bf16.py::test_model_dtype_bf16_run_trains_with_finite_metrics_and_differs_from_fp32",
     # environment
     "environment.name": "tests/test_seed_keys.py::test_environment_name_selects_the_environment",
     "environment.action_space":

@@ -201,7 +201,7 @@ def sft(
     checkpoint to train from (model.path)."""
     import torch  # noqa: PLC0415 — torch, transformers: not for --help
 
-    from tether.learner.model import load_model_and_tokenizer  # noqa: PLC0415 — as above
+    from tether.learner.model import load_model_and_tokenizer, torch_dtype  # noqa: PLC0415 — as above
     from tether.learner.sft import sft as fine_tune  # noqa: PLC0415 — as above
     from tether.runtime import env_factory, model_path  # noqa: PLC0415 — as above
 
@@ -215,7 +215,7 @@ def sft(
         conversations = read_conversations(demos) if demos else None  # a bad file fails before any model loads
         say(f"building the environment {cfg.environment.name} and loading the model…")
         make_env, tasks = env_factory(cfg)
-        model, tokenizer = load_model_and_tokenizer(model_path(cfg), cfg.model.dtype)
+        model, tokenizer = load_model_and_tokenizer(model_path(cfg), "float32")  # master weights: model.dtype computes
         if conversations is not None:
             env = make_env()
             try:  # what a conversation leaves out is filled in as the agent loop would see it
@@ -240,7 +240,7 @@ def sft(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with sft_bar(epochs * len(trajs)) as (seen, log):
         fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
-                  augment=seen, log=log)
+                  augment=seen, log=log, compute_dtype=torch_dtype(cfg.model.dtype))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     typer.echo(f"wrote {out}; train from it with --set model.preset=null --set model.path={out}")

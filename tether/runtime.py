@@ -7,7 +7,6 @@ same objects the same way.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import shutil
@@ -30,7 +29,7 @@ from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
 from tether.env.plugin.registry import resolve as resolve_environment
-from tether.learner.model import ensure_tiny, load_model_and_tokenizer
+from tether.learner.model import cast_copy, ensure_tiny, load_model_and_tokenizer, torch_dtype
 from tether.llm import LLMClient
 from tether.locks import lock_file, unlock_file
 from tether.reward.loop import RewardLoop
@@ -173,9 +172,10 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
 
 def local_engine(model: Any, plan: Plan, engine: EngineConfig, partial: PartialRolloutConfig,
                  version: int = 0) -> LocalEngine:
-    """The in-process engine over its own copy of the weights (the learner's copy keeps training), whatever
-    ``engine.type`` says: ``tether serve`` and the trainer's own validation engine are local in every run."""
-    return LocalEngine(copy.deepcopy(model).eval(), version=version, max_batch=engine.max_batch_size,
+    """The in-process engine over its own copy of the weights in ``model.dtype`` (``cast_copy``: the learner's float32
+    copy keeps training; the engine's KV cache takes its dtype), whatever ``engine.type`` says: ``tether serve`` and
+    the trainer's own validation engine are local in every run."""
+    return LocalEngine(cast_copy(model, plan.dtype), version=version, max_batch=engine.max_batch_size,
                        seed=plan.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
                        deterministic=plan.deterministic)
 
@@ -191,8 +191,10 @@ def rollout_engine(model: Any, plan: Plan, engine_cfg: EngineConfig, partial: Pa
     engine = RemoteEngine(LLMClient.from_config(client), version=version,
                           max_model_len=getattr(model.config, "max_position_embeddings", None),
                           weight_sync_dir=engine_cfg.weight_sync_dir, model_config=model.config)
-    try:
-        engine.update_weights(model.state_dict(), version)
+    dtype = torch_dtype(plan.dtype)
+    try:  # in model.dtype, as every later sync sends them (tether.pipeline.weights)
+        engine.update_weights({k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()},
+                              version)
     except BaseException:
         engine.close()
         raise
@@ -202,7 +204,7 @@ def rollout_engine(model: Any, plan: Plan, engine_cfg: EngineConfig, partial: Pa
 @dataclass
 class Runtime:
     cfg: RunConfig
-    model: Any
+    model: Any  # the policy in float32 whatever ``model.dtype`` says: the learner's master weights (``build``)
     tokenizer: Any
     engine: LocalEngine | RemoteEngine  # both count their work in ``stats`` (perf/engine_busy_s)
     make_env: Callable[[], Env]
@@ -212,9 +214,11 @@ class Runtime:
 
     @classmethod
     def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
-        """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``."""
+        """``engine``: a rollout engine that runs elsewhere (``backend: ray``); None = ``rollout_engine``, whose copy of
+        the weights is in ``model.dtype`` while ``model`` (the learner's) is float32: mixed precision as verl and TRL
+        do it (``tether.config.sections.ModelConfig.dtype``)."""
         path = model_dir or model_path(cfg)
-        model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
+        model, tokenizer = load_model_and_tokenizer(path, "float32")
         window = context_window(cfg.environment.state.context_window, cfg.engine.max_tokens, model.config,
                                 where=f"the model at {path}")  # before the engine starts
         make_env, tasks = env_factory(cfg)

@@ -120,7 +120,13 @@ class ModelConfig(Section):
     path: str | None = None
     """Local Hugging Face model folder (``AutoModelForCausalLM``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype."""
+    """The compute dtype, as verl and TRL mean it. ``bfloat16``: the trainer keeps float32 master weights and float32
+    AdamW state, and runs the forward and backward in bfloat16 (``torch.autocast``; with ``actor_worker.strategy:
+    fsdp2``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); log-probabilities,
+    entropy, KL and the loss are float32 (the logits upcast before the log-softmax). The KL reference computes the
+    same way, without gradients; ``tether sft`` too. The rollout engine holds a bfloat16 copy of the weights (its KV
+    cache in bfloat16), and every weight sync casts the learner's float32 weights to it. Checkpoints hold the float32
+    weights. ``tether eval`` and ``tether serve`` load the model in this dtype."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

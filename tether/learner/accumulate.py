@@ -93,7 +93,8 @@ class Accumulation:
         the reference's and the teacher's log-probabilities where those terms are on."""
         learner = self.learner
         sel = mb.loss_mask[:, 1:] > 0  # [b, T-1] the positions the loss reads; logits are computed there only
-        policy = forward(learner.model, mb.input_ids, mb.attention_mask, sel, learner.temperature)
+        policy = forward(learner.model, mb.input_ids, mb.attention_mask, sel, learner.temperature,
+                         learner.autocast)  # logp [b, T-1] float32 whatever the compute dtype
         prox_logp: torch.Tensor | None
         if self.prox_from_forward:
             prox_logp = policy.logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
@@ -105,7 +106,8 @@ class Accumulation:
         ref_logp = None
         if learner.ref_model is not None:
             with torch.no_grad():
-                ref_logp = forward(learner.ref_model, mb.input_ids, mb.attention_mask, sel, learner.temperature).logp
+                ref_logp = forward(learner.ref_model, mb.input_ids, mb.attention_mask, sel, learner.temperature,
+                                   learner.autocast).logp  # the reference computes as the policy does
         return LossInputs(logp=policy.logp, prox_logp=prox_logp, behav_logp=mb.old_logp[:, 1:],
                           advantages=mb.advantages, mask=mb.loss_mask[:, 1:], entropy=entropy, ref_logp=ref_logp,
                           distill=distill)

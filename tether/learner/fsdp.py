@@ -23,7 +23,8 @@ sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT
 
 **In a run** (``run_learner``: one trainer rank, ``backend: local`` and the Ray backend's trainer actor) ``fsdp2``
 shards over a process group of one rank (``benchmarks/gpu_smoke.sh`` runs it on one GPU with bf16 compute through
-``shard_model(param_dtype=...)``; a run computes in the model's own dtype). Several trainer ranks in a run
+``shard_model(param_dtype=...)``, as a run with ``model.dtype: bfloat16`` does: float32 master weights, gradients
+reduced in float32). Several trainer ranks in a run
 (``resource_pool.trainer_pool.num_ranks``) are ``tether.learner.pool``'s: ``tether train`` spawns them and drives
 them through ``tether.learner.group``; a run launched by torchrun (``WORLD_SIZE`` above 1) is refused. Checkpoints
 and the evaluation engine see whole weights (``unsharded``); the optimizer state is saved whole, keyed by parameter
@@ -126,14 +127,17 @@ def sharded_learner(model: Any, ranks: Ranks, lc: LearnerConfig, po: PolicyOptim
                     max_response_tokens: int, teacher: TeacherConfig | None = None, worker: str = "ActorWorker",
                     param_dtype: torch.dtype | None = None) -> Learner:
     """A Learner (the arguments after ``ranks`` are ``Learner``'s) whose model, and KL reference when KL is on, is
-    sharded over ``ranks`` by ``shard_model``.
+    sharded over ``ranks`` by ``shard_model``; ``param_dtype``: their forward and backward's (``model.dtype``), the
+    parameters as given (float32 in a run) the master weights.
 
     Call it on every rank with the same model weights; the model is sharded in place."""
+    param_dtype = None if param_dtype == torch.float32 else param_dtype
     ref: Any = None
     if po.kl_control.type != "none":
         ref = shard_model(copy.deepcopy(model).requires_grad_(False), param_dtype=param_dtype)
     learner = Learner(shard_model(model, param_dtype=param_dtype), ref, lc, po, temperature=temperature,
-                      max_response_tokens=max_response_tokens, teacher=teacher, worker=worker)
+                      max_response_tokens=max_response_tokens, teacher=teacher, worker=worker,
+                      compute_dtype=param_dtype)
     learner.ranks = ranks
     return learner
 
@@ -147,20 +151,23 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_learner(model: Any, lc: LearnerConfig, po: PolicyOptimConfig, actor_worker: ActorWorkerConfig, *,
-                temperature: float, max_response_tokens: int, teacher: TeacherConfig | None = None) -> Learner:
+                temperature: float, max_response_tokens: int, teacher: TeacherConfig | None = None,
+                compute_dtype: torch.dtype | None = None) -> Learner:
     """The run's learner as ``actor_worker.strategy`` lays it out: plain (``none``), or sharded by FSDP2 over the
     trainer's one rank (a process group of one is started when none is running: gloo on CPU, NCCL on GPU). The
-    other arguments are ``Learner``'s."""
+    other arguments are ``Learner``'s; ``compute_dtype`` (``model.dtype``): autocast in the plain learner, FSDP2's
+    ``param_dtype`` in the sharded one."""
     if actor_worker.strategy not in STRATEGIES:
         return Learner(model, None, lc, po, temperature=temperature, max_response_tokens=max_response_tokens,
-                       teacher=teacher, worker=actor_worker.class_)
+                       teacher=teacher, worker=actor_worker.class_, compute_dtype=compute_dtype)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise RuntimeError(f"actor_worker.strategy: {actor_worker.strategy} with WORLD_SIZE={world}: tether train "
                            "starts its trainer ranks itself; launch the run as one process, without torchrun, with "
                            f"resource_pool.trainer_pool.num_ranks: {world}")
     return sharded_learner(model, init_ranks(), lc, po, temperature=temperature,
-                           max_response_tokens=max_response_tokens, teacher=teacher, worker=actor_worker.class_)
+                           max_response_tokens=max_response_tokens, teacher=teacher, worker=actor_worker.class_,
+                           param_dtype=compute_dtype)
 
 
 def _free_port() -> int:

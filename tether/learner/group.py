@@ -66,7 +66,7 @@ import torch.distributed as dist
 from tether.learner import fsdp
 from tether.learner.buckets import cut_buckets
 from tether.learner.checkpoint import load_checkpoint, save_checkpoint, save_sharded_checkpoint, temp_dir
-from tether.learner.learner import Learner
+from tether.learner.learner import Learner, engine_copy
 from tether.learner.ranks import Ranks, TalliedRanks, full_tensor
 from tether.learner.spawn import DEFAULT_TIMEOUT_S, Spawned
 from tether.metrics import record_metric, set_recorder
@@ -130,14 +130,14 @@ class _Commands:
         update, self.update = self.update, None
         return self._reduced(self.learner.finish_step(update))
 
-    def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The whole tensors ``names`` of the model's state dict, copied, on rank 0; the other ranks take part in
-        each gather and keep nothing."""
+    def gather(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The whole tensors ``names`` of the model's state dict, copied (in ``dtype``: ``engine_copy``), on rank 0;
+        the other ranks take part in each gather and keep nothing."""
         state, out = self.learner.model.state_dict(), {}
         for name in names:
             whole = full_tensor(state[name])
             if self.lead:
-                out[name] = whole.detach().clone()
+                out[name] = engine_copy(whole, dtype)
         return out
 
     def on_sync(self, version: int) -> None:
@@ -320,15 +320,15 @@ class LearnerGroup:
             raise ValueError("finish_step: no trajectories were added")
         return self._call("finish_step")
 
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
+    def state_dict_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The whole weights on rank 0 (``Learner.state_dict_for_engine``), gathered in one command."""
-        return self._call("gather", list(self.learner.model.state_dict()))
+        return self._call("gather", list(self.learner.model.state_dict()), dtype)
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """``Learner.weight_buckets``: one command per bucket, so rank 0 holds one gathered bucket beside its shards
         while a consumer sends and drops each (``RolloutHandle.update_weights_from_buckets``)."""
         for names in cut_buckets(self.learner.model.state_dict(), bucket_bytes):
-            yield self._call("gather", names)
+            yield self._call("gather", names, dtype)
 
     def save_checkpoint(self, path: str | Path, tokenizer: Any, extra: dict[str, Any] | None = None) -> Path:
         """A checkpoint of the group: ``tether.learner.checkpoint.save_sharded_checkpoint`` on every rank (the shards

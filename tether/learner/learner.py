@@ -113,12 +113,24 @@ class Learner:
     ``temperature``: ``engine.temperature``, the sampling one; ``max_response_tokens``: the plan's (Dr. GRPO's
     constant length); ``teacher``: the ``teacher`` section (None or disabled: no distillation); ``worker``:
     ``actor_worker.class``.
+
+    ``compute_dtype`` (``model.dtype``; None = float32): the dtype of the forward and backward. The model's
+    parameters are the master weights and AdamW's moments follow them (float32 in a run: ``tether.runtime``
+    loads the policy in float32 whatever ``model.dtype`` says); in bfloat16 the policy's and the reference's
+    forwards run under ``torch.autocast`` (``logits.forward``; a model sharded by FSDP2 casts its parameters
+    itself: ``fsdp.shard_model(param_dtype=...)``), while the log-probabilities, entropy, KL and the loss are
+    float32, as verl and TRL do. Not bfloat16 weights: AdamW's updates of lr × ~1 at lr 1e-6..1e-4 are below
+    bfloat16's resolution (2^-8 relative) for most weights and would round to nothing.
     """
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, lc: LearnerConfig,
                  po: PolicyOptimConfig, *, temperature: float, max_response_tokens: int,
-                 teacher: TeacherConfig | None = None, worker: str = "ActorWorker"):
+                 teacher: TeacherConfig | None = None, worker: str = "ActorWorker",
+                 compute_dtype: torch.dtype | None = None):
         self.model = model
+        self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
+        # the dtype the forwards autocast to: None when FSDP2's mixed-precision policy casts the parameters itself
+        self.autocast = None if isinstance(model, FSDPModule) else self.compute_dtype
         self.batch_size = lc.batch_size
         self.mini_batch_size = lc.mini_batch_size
         self.gradient_accumulation_steps = lc.gradient_accumulation_steps
@@ -173,7 +185,11 @@ class Learner:
         u, e = self.updates_per_pass, self.epochs
         line = (f"batch {self.batch_size} traj/step = {u} update{'s' * (u > 1)} × "
                 f"({self.gradient_accumulation_steps} micro × {self.micro_batch_size} traj), {e} epoch{'s' * (e > 1)}")
-        return line if e == 1 else f"{line} → {u * e} optimizer updates/step"
+        line = line if e == 1 else f"{line} → {u * e} optimizer updates/step"
+        if self.compute_dtype is None:
+            return line
+        master = next(self.model.parameters()).dtype
+        return f"{line}; {_short(self.compute_dtype)} compute, {_short(master)} master weights"
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -280,7 +296,8 @@ class Learner:
                 # a rank with no rows here scores a stand-in row (FSDP needs the same forwards on every rank)
                 mb = (batch.slice(lo, hi) if hi > lo else batch.slice(start, start + 1)).to(device)
                 sel = mb.loss_mask[:, 1:] > 0  # [b, t-1]
-                logp = forward(self.model, mb.input_ids, mb.attention_mask, sel, self.temperature).logp  # [b, t-1]
+                logp = forward(self.model, mb.input_ids, mb.attention_mask, sel, self.temperature,
+                               self.autocast).logp  # [b, t-1]
                 out[lo:hi, 1:mb.input_ids.shape[1]] = logp.float().cpu()
         self.model.train(was_training)
         return self.ranks.sum(out)  # every rank's rows (out itself in one process)
@@ -296,17 +313,30 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------ weights
 
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the policy's weights (a copy, so further training does not change what was pushed)."""
-        return {k: full_tensor(v).detach().clone() for k, v in self.model.state_dict().items()}  # gathers shards
+    def state_dict_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A detached copy of the policy's weights (a copy, so further training does not change what was pushed);
+        ``dtype``: the engine's (``model.dtype``), the floating tensors cast in the copy (None: the master weights')."""
+        return {k: engine_copy(full_tensor(v), dtype) for k, v in self.model.state_dict().items()}  # gathers shards
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """``state_dict_for_engine`` in buckets of at most ``bucket_bytes`` bytes (``tether.learner.buckets``), each
-        gathered and copied when it is asked for: a consumer that sends and drops each bucket never holds more than
-        one beside the model."""
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """``state_dict_for_engine`` in buckets of at most ``bucket_bytes`` bytes of master weights
+        (``tether.learner.buckets``), each gathered and copied when it is asked for: a consumer that sends and drops
+        each bucket never holds more than one beside the model."""
         state = self.model.state_dict()
         for names in cut_buckets(state, bucket_bytes):
-            yield {k: full_tensor(state[k]).detach().clone() for k in names}
+            yield {k: engine_copy(full_tensor(state[k]), dtype) for k in names}
+
+
+def engine_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A detached copy of a weight for the engine, in ``dtype`` when it is a floating one (one copy: cast, not cloned
+    then cast)."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.detach().clone()
+    return tensor.detach().to(dtype, copy=True)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
 def _no_dropout(model: torch.nn.Module) -> bool:

@@ -8,10 +8,17 @@ head, its log-softmax, entropy and their backward. And the leading tokens that e
 (the system prompt and tool list of every episode; the whole prompt of one group's episodes) run through the
 layers once, as a batch of one whose keys and values the rows attend to. Both are the plain forward's arithmetic
 on fewer positions: the logits and gradients agree with it to float rounding (``tests/test_speed_equivalence.py``).
+
+Mixed precision (``model.dtype: bfloat16``): ``compute_dtype`` runs the model's forward (and so its backward) under
+``torch.autocast`` in that dtype over float32 weights, the LM head included, so the logits come out in bfloat16; their
+log-softmax, the sampled tokens' log-probabilities and the entropy are taken in float32 (``tether.algo.logprobs``
+upcasts chunk by chunk), and so is everything the loss computes from them. A model sharded with FSDP2's
+``MixedPrecisionPolicy`` already computes in its ``param_dtype``: it is given no ``compute_dtype``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +43,21 @@ class Forward:
 
 
 def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sel: torch.Tensor,
-            temperature: float) -> Forward:
+            temperature: float, compute_dtype: torch.dtype | None = None) -> Forward:
     """``model``'s log-probabilities of the tokens ``input_ids[:, 1:]`` at the positions ``sel`` [b, T-1], at
-    ``temperature``: the logits there (``token_logits``), their log-softmax gathered at the sampled tokens."""
-    logits = token_logits(model, input_ids, attention_mask, sel)  # [n, V]
-    logp = logprobs_from_logits(logits[None], input_ids[:, 1:][sel][None], temperature)[0]  # [n]
+    ``temperature``: the logits there (``token_logits``), their log-softmax gathered at the sampled tokens, in float32.
+    ``compute_dtype``: the model's forward under autocast in that dtype (None: in its parameters' own)."""
+    with autocast(input_ids.device, compute_dtype):
+        logits = token_logits(model, input_ids, attention_mask, sel)  # [n, V] in compute_dtype
+    logp = logprobs_from_logits(logits[None], input_ids[:, 1:][sel][None], temperature)[0]  # [n] float32
     return Forward(logits, scatter(logp, sel), sel, temperature)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` on ``device``'s type in ``dtype``; nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def scatter(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:

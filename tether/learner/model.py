@@ -7,6 +7,7 @@ format, so everything downstream runs the same code path as for a real checkpoin
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -24,6 +25,28 @@ from tether.learner.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, builtin_corpus
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``model.dtype``'s value as a torch dtype (``"bfloat16"`` → ``torch.bfloat16``)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def cast_copy(model: Any, dtype: str | torch.dtype) -> Any:
+    """A copy of ``model`` with its parameters in ``dtype``, in eval mode, as ``from_pretrained(dtype=...)`` would load
+    it: the parameters cast, the buffers left as they are (the rotary ``inv_freq`` stays float32: in bfloat16 a
+    position × frequency product would be off by radians at a few thousand tokens), ``config.dtype`` set.
+
+    The rollout engine's copy of the learner's float32 master weights (``tether.runtime.local_engine``)."""
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    out = copy.deepcopy(model)
+    for p in out.parameters():  # a tied head is the embedding's Parameter: cast once, still tied
+        p.data = p.data.to(dtype)
+    if getattr(out, "config", None) is not None:
+        out.config.dtype = dtype
+    return out.eval()
+
 # Qwen2Config fields of the tiny preset; any of them can be overridden through build_tiny(**overrides).
 TINY_DEFAULTS: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -36,8 +59,7 @@ BUILD_VERSION = 2  # bump when the built-in corpus or build_tiny's code changes 
 
 def load_model_and_tokenizer(path: str | os.PathLike, dtype: str = "float32") -> tuple[Any, Any]:
     """A causal LM and its tokenizer (with its chat template) from a local HF folder, in eval mode."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    torch_dtype(dtype)  # a bad name fails before anything is read
     path = str(path)
     if not Path(path, "config.json").is_file():
         raise FileNotFoundError(f"{path!r} is not a Hugging Face model folder (no config.json in it)")

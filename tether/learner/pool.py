@@ -35,7 +35,7 @@ from tether.learner import fsdp
 from tether.learner.checkpoint import load_checkpoint, save_checkpoint
 from tether.learner.group import LearnerGroup, follow
 from tether.learner.learner import Learner
-from tether.learner.model import load_model_and_tokenizer
+from tether.learner.model import load_model_and_tokenizer, torch_dtype
 from tether.learner.ranks import Ranks
 from tether.learner.spawn import DEFAULT_TIMEOUT_S, Spawned, spawn_ranks
 from tether.threads import fixed_threads
@@ -51,15 +51,18 @@ class LearnerSpec:
     temperature: float
     max_response_tokens: int
     teacher: TeacherConfig | None = None
-    dtype: str = "float32"  # model.dtype: how the spawned ranks load the model
+    dtype: str = "float32"  # model.dtype: the forward and backward's; every rank's master weights are float32
 
     def build(self, model: Any, ranks: Ranks | None = None) -> Learner:
-        """This rank's learner: ``fsdp.run_learner`` for one rank, sharded over ``ranks`` for several."""
+        """This rank's learner: ``fsdp.run_learner`` for one rank, sharded over ``ranks`` for several; ``model``: its
+        float32 master weights."""
         kwargs: dict[str, Any] = dict(temperature=self.temperature, max_response_tokens=self.max_response_tokens,
                                       teacher=self.teacher)
+        dtype = torch_dtype(self.dtype)
         if ranks is None or not ranks.sharded:
-            return fsdp.run_learner(model, self.lc, self.po, self.actor_worker, **kwargs)
-        return fsdp.sharded_learner(model, ranks, self.lc, self.po, worker=self.actor_worker.class_, **kwargs)
+            return fsdp.run_learner(model, self.lc, self.po, self.actor_worker, compute_dtype=dtype, **kwargs)
+        return fsdp.sharded_learner(model, ranks, self.lc, self.po, worker=self.actor_worker.class_,
+                                    param_dtype=dtype, **kwargs)
 
 
 class Trainer:
@@ -133,5 +136,5 @@ def rank_threads(num_ranks: int) -> int:
 def _follow_rank(ranks: Ranks, model_dir: str, spec: LearnerSpec, threads: int) -> None:
     """A spawned rank: load the model, build its learner, run rank 0's commands until the trainer closes."""
     torch.set_num_threads(threads)
-    model, _ = load_model_and_tokenizer(model_dir, spec.dtype)
+    model, _ = load_model_and_tokenizer(model_dir, "float32")  # master weights; spec.dtype is the compute's
     follow(spec.build(model, ranks))

@@ -8,6 +8,10 @@ Two hooks keep the loop generic: ``augment(trajectory, rng)`` returns the trajec
 (e.g. with its ids swapped for others, token for token), and ``extra_loss(model)`` adds a term to every
 step's loss (e.g. an auxiliary task trained alongside).
 
+Precision. ``compute_dtype`` (``model.dtype``): the forward and backward under ``torch.autocast`` in that dtype over
+the model's own (float32) weights and AdamW state, the log-likelihood in float32, as the RL learner does
+(``tether.learner.logits``).
+
 Threads. Before each epoch the torch thread count is re-decided from the cores other processes leave
 (``tether.threads``: at most the caller's count, which is given back at the end; ``TETHER_THREADS=N`` fixes it).
 """
@@ -23,6 +27,7 @@ import torch
 
 from tether.algo import logprobs_from_logits
 from tether.learner.batch import TrainBatch
+from tether.learner.logits import autocast
 from tether.threads import TorchThreads
 from tether.types import Trajectory
 
@@ -37,11 +42,13 @@ def sft(model: Any, trajectories: Sequence[Trajectory], *, pad_id: int, epochs: 
         batch_size: int = 16, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
         warmup: int = 10, seed: int = 0, augment: Callable[[Trajectory, random.Random], Trajectory] | None = None,
         extra_loss: Callable[[Any], torch.Tensor] | None = None, log: Any = None,
-        threads: TorchThreads | None = None) -> list[float]:
+        threads: TorchThreads | None = None, compute_dtype: torch.dtype | None = None) -> list[float]:
     """Train ``model`` in place; AdamW with linear warmup then cosine decay. Returns the per-epoch losses
     (mean negative log-likelihood per trained token, ``extra_loss`` not included). ``threads``: the thread count's
     chooser, re-decided before each epoch (a build shares one across its phases); None = one of its own over the
-    caller's count. Either way the caller's count is back on return."""
+    caller's count. Either way the caller's count is back on return. ``compute_dtype``: autocast's (None: the
+    weights' own dtype)."""
+    compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
     threads = threads or TorchThreads(log)
     with threads:
         model.train()
@@ -59,8 +66,9 @@ def sft(model: Any, trajectories: Sequence[Trajectory], *, pad_id: int, epochs: 
                 if augment is not None:
                     chunk = [augment(t, rng) for t in chunk]
                 batch = TrainBatch.from_trajectories(chunk, [0.0] * len(chunk), pad_id=pad_id)
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
-                logp = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])  # [B, T-1]
+                with autocast(batch.input_ids.device, compute_dtype):
+                    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
+                logp = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])  # [B, T-1] float32
                 mask = batch.loss_mask[:, 1:]
                 nll = -(logp * mask).sum() / mask.sum().clamp_min(1.0)
                 loss = nll + extra_loss(model) if extra_loss is not None else nll

@@ -28,6 +28,7 @@ from tether.engine.local import LocalEngine
 from tether.learner.checkpoint import checkpoint_dir
 from tether.learner.group import LearnerGroup
 from tether.learner.learner import Learner
+from tether.learner.model import torch_dtype
 from tether.learner.pool import LearnerSpec, Trainer, start_trainer
 from tether.metrics import MetricsRecorder, make_sinks, record_metric, set_recorder
 from tether.pipeline.evaluate import evaluate
@@ -105,7 +106,7 @@ class Evaluator:
 
     def __call__(self, step: int) -> tuple[dict[str, float], list]:
         if self.engine is not None:
-            self.engine.update_weights(self.learner.state_dict_for_engine(), self.weights.version)
+            self.engine.update_weights(self.learner.state_dict_for_engine(self.weights.dtype), self.weights.version)
             weights_step = step
         else:
             weights_step = self.weights.version * self.weights.every if step else 0
@@ -208,7 +209,7 @@ class Run:
                 extra = trainer.load(ckpt)
                 start = int(extra["step"])
                 allocator.load_state_dict(extra["allocator"])
-            weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start)
+            weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start, dtype=torch_dtype(plan.dtype))
             # DetachActorWorker keeps the pushed weights: π_prox for the steps until the next sync
             weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
             if ckpt is not None:

@@ -18,16 +18,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from tether.metrics import record_metric
 
 RUN_LOG = logging.getLogger("tether.run")  # RUN/train.log (tether.pipeline.progress)
 
 
 class WeightSync:
-    def __init__(self, engine: Any, learner: Any, every: int, *, start_step: int = 0):
+    """``dtype``: the engine's (``model.dtype``): the learner's float32 master weights are cast in the copy it pushes
+    (half the bytes to copy and send in bfloat16); None = as the learner holds them."""
+
+    def __init__(self, engine: Any, learner: Any, every: int, *, start_step: int = 0, dtype: torch.dtype | None = None):
         if every < 1:
             raise ValueError(f"trainer.trigger_parameter_sync_step must be >= 1, got {every}")
         self.engine, self.learner, self.every = engine, learner, every
+        self.dtype = None if dtype == torch.float32 else dtype
         self.version = start_step // every
         self._listeners: list[Callable[[int], None]] = []
 
@@ -39,9 +45,10 @@ class WeightSync:
         """Load the learner's weights into the engine as ``self.version`` and tell the subscribers."""
         t = time.perf_counter()
         if hasattr(self.engine, "update_weights_from_buckets"):  # backend: ray — gathered and sent bucket by bucket
-            self.engine.update_weights_from_buckets(self.learner.weight_buckets(self.engine.bucket_bytes), self.version)
+            self.engine.update_weights_from_buckets(self.learner.weight_buckets(self.engine.bucket_bytes, self.dtype),
+                                                    self.version)
         else:  # the engine loads every tensor at once (one version at a step boundary): the whole state dict
-            self.engine.update_weights(self.learner.state_dict_for_engine(), self.version)
+            self.engine.update_weights(self.learner.state_dict_for_engine(self.dtype), self.version)
         for listener in self._listeners:
             listener(self.version)
         elapsed = time.perf_counter() - t
