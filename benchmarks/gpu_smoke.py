@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="RL tokens per completion (default 128; 16 tiny)")
     ap.add_argument("--batches", type=str, default=None, help="decode batch sizes (default 1,64,256; 1,4,8 tiny)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 420 s; 120 tiny)")
+    ap.add_argument("--watchdog-s", type=float, default=None, help="print the table so far and exit 1 after this "
+                    "long (default: the budget + 40 s, 460 s on a GPU: the 8 minutes, imports included)")
     args = ap.parse_args(argv)
     base = bench.CPU_TINY if args.tiny else bench.GPU
     sizes = bench.Sizes(**{**base.__dict__, **{k: v for k, v in dict(
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     report = bench.Report(sizes.budget_s)
     declare(report, sizes)
     facts: dict[str, Any] = {}
-    watchdog(report, sizes, facts, sizes.budget_s + 40)  # 460 s on a GPU: the 8 minutes, imports included
+    watchdog(report, sizes, facts, args.watchdog_s or sizes.budget_s + 40)
     report.run("device", "device", bench.measure_device, report, sizes, device, dtype, facts)  # on an idle device
     try:
         run_all(report, sizes, args, device, dtype, facts)
@@ -222,15 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     report.run("memory", "memory", measure_memory, report, device)
     add_references(report, sizes, facts)
     print(report.markdown(), flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     bad = report.bad()
-    if bad or report.errors:
+    report.verdict = 1 if bad or report.errors else 0
+    if report.verdict:
         print(f"gpu_smoke: FAILED — missing or not finite: {', '.join(bad) or 'none'}; errors: "
               f"{'; '.join(report.errors) or 'none'}", flush=True)
-        return 1
-    print(f"gpu_smoke: OK in {time.perf_counter() - report.t0:.0f} s", flush=True)
-    return 0
+    else:
+        print(f"gpu_smoke: OK in {time.perf_counter() - report.t0:.0f} s", flush=True)
+    if torch.distributed.is_initialized():  # after the verdict: a teardown that hangs cannot hide the figures
+        torch.distributed.destroy_process_group()
+    return report.verdict
 
 
 def run_all(report: bench.Report, sizes: bench.Sizes, args: argparse.Namespace, device: torch.device,
@@ -308,11 +311,17 @@ def watchdog(report: bench.Report, sizes: bench.Sizes, facts: dict[str, Any], se
     """After ``seconds``, whatever is still running (a hung section): the stacks to stderr, the table so far to stdout,
     exit 1 — a run with one try on a GPU leaves its figures even when something hangs."""
     def fire() -> None:
-        report.log(f"watchdog: still running after {seconds:.0f} s; the stacks, the figures so far, exit 1")
+        if report.verdict is not None:  # the table and verdict are out: the teardown hung
+            report.log(f"watchdog: the teardown still running after {seconds:g} s; exit {report.verdict}")
+            os._exit(report.verdict)
+        report.log(f"watchdog: still running after {seconds:g} s; the stacks, the figures so far, exit 1")
         faulthandler.dump_traceback(file=sys.stderr)
-        add_references(report, sizes, facts)
+        try:
+            add_references(report, sizes, facts)  # from facts another thread is still filling in
+        except Exception:  # the references are a nicety here: the table and the exit are not
+            traceback.print_exc(file=sys.stderr)
         print(report.markdown(), flush=True)
-        print(f"gpu_smoke: FAILED — watchdog after {seconds:.0f} s", flush=True)
+        print(f"gpu_smoke: FAILED — watchdog after {seconds:g} s", flush=True)
         os._exit(1)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
@@ -335,7 +344,7 @@ def add_references(report: bench.Report, sizes: bench.Sizes, facts: dict[str, An
     bw, peak, param_bytes = (facts.get(k) for k in ("bw", "peak", "param_bytes"))
     body, head = facts.get("body_params", 0), facts.get("head_params", 0)  # matmul parameters: layers, LM head
     for b in sizes.batches:
-        limit = b * bw / param_bytes if bw else None
+        limit = b * bw / param_bytes if bw and param_bytes else None
         if limit:
             report.put(f"bandwidth limit, batch {b}", limit, f"batch ÷ ({bench.size(param_bytes)} of weights ÷ "
                        f"{bw / 1e9:,.0f} GB/s)")

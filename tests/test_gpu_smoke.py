@@ -74,6 +74,13 @@ def test_a_failing_section_still_prints_the_table_and_exits_1():
     assert "learner: FAILED" in done.stderr
 
 
+def test_a_hung_run_still_prints_the_table_and_exits_1():
+    done = smoke("--batches", "1", "--watchdog-s", "0.5")  # fires while the run is still going
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.rstrip().splitlines()[-1] == "gpu_smoke: FAILED — watchdog after 0.5 s"
+    assert "| engine decode, batch 1 |" in done.stdout and "most recent call first" in done.stderr  # + the stacks
+
+
 def test_a_section_past_its_share_of_the_budget_is_skipped_and_a_raising_one_is_kept(capsys):
     ran = []
     report = bench.Report(budget_s=100.0)
