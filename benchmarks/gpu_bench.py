@@ -64,7 +64,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
     return 2 * nbytes / seconds
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 20) -> float:
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 50) -> float:
     """FLOP/s of an n × n × n matmul in ``dtype`` (2n³ FLOPs per product)."""
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -217,6 +217,7 @@ class Report:
         self.budget_s = budget_s
         self.rows: dict[str, Row] = {}
         self.errors: list[str] = []
+        self.verdict: int | None = None  # the exit status, once the table is printed
         self.t0 = time.perf_counter()
 
     def expect(self, name: str, unit: str) -> None:

@@ -285,7 +285,7 @@ def run_rl(report: bench.Report, sizes: bench.Sizes, group: int, device: torch.d
     shared = shared_prompt([SimpleNamespace(prompt=p) for p in prompts])
     report.log(f"rl: the {len(prompts)} prompts share {shared} tokens"
                f"{': decode through the cascade attention' if shared else ': no cascade attention'}")
-    rows = []
+    rows: list[dict[str, float]] = []
     for step in range(1, sizes.steps + 1):
         if step > 1 and time.perf_counter() - report.t0 > bench.DEADLINES["rl"] * sizes.budget_s:
             report.log(f"rl: stopped after {len(rows)} steps, past the budget")
@@ -344,8 +344,9 @@ def add_references(report: bench.Report, sizes: bench.Sizes, facts: dict[str, An
     bw, peak, param_bytes = (facts.get(k) for k in ("bw", "peak", "param_bytes"))
     body, head = facts.get("body_params", 0), facts.get("head_params", 0)  # matmul parameters: layers, LM head
     for b in sizes.batches:
-        limit = b * bw / param_bytes if bw and param_bytes else None
-        if limit:
+        limit = None
+        if bw and param_bytes:
+            limit = b * bw / param_bytes
             report.put(f"bandwidth limit, batch {b}", limit, f"batch ÷ ({bench.size(param_bytes)} of weights ÷ "
                        f"{bw / 1e9:,.0f} GB/s)")
         engine, hf = report.get(f"engine decode, batch {b}"), report.get(f"HF generate decode, batch {b}")
