@@ -149,7 +149,8 @@ def rl_step(step: int, engine: LocalEngine, learner: Any, prompts: list[list[int
            "loss": metrics["optim/loss"], "grad_norm": metrics["optim/grad_norm"]}
     if step % cfg.trainer.trigger_parameter_sync_step == 0:
         t2 = time.perf_counter()
-        engine.update_weights(learner.state_dict_for_engine(), step // cfg.trainer.trigger_parameter_sync_step)
+        version = step // cfg.trainer.trigger_parameter_sync_step
+        engine.update_weights(learner.state_dict_for_engine(engine.model.dtype), version)  # cast as a run's sync does
         learner.worker.on_sync(learner.version)  # DetachActorWorker keeps the pushed weights (π_prox)
         bench.sync(device)
         row["sync_s"] = time.perf_counter() - t2
@@ -304,7 +305,7 @@ def run_rl(report: bench.Report, sizes: bench.Sizes, group: int, device: torch.d
         weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         sync = statistics.median(syncs)
         report.put("weight sync (median)", sync, f"{len(syncs)} syncs, {weights / sync / 1e9:.2f} GB/s of engine "
-                   "weights (gathered from the shards, loaded into the engine)")
+                   "weights (gathered from the shards, cast to its dtype as a run does, loaded into the engine)")
 
 
 def watchdog(report: bench.Report, sizes: bench.Sizes, facts: dict[str, Any], seconds: float) -> None:
