@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.algo import loss_denominator
+from tether.algo import loss_denominator, mismatch_metrics
 from tether.learner.batch import TrainBatch
 from tether.learner.logits import forward
 from tether.learner.loss import LossInputs, loss_fn
@@ -43,17 +43,23 @@ class Accumulation:
     """The gradient of one optimizer update, built from any number of ``add`` calls; ``apply`` steps once.
 
     ``prox_from_forward``: the weights are those of the step's start, so π_prox is each micro-batch's own forward
-    (detached). Calls must not overlap (one thread at a time); metrics are kept here and recorded by the learner.
+    (detached). ``at_start``: the forwards run on the step's starting weights (its first update), so where those are
+    the weights last pushed to the engine they measure the train–inference mismatch. Calls must not overlap (one
+    thread at a time); metrics are kept here and recorded by the learner.
     """
 
-    def __init__(self, learner: Learner, *, prox_from_forward: bool):
+    def __init__(self, learner: Learner, *, prox_from_forward: bool, at_start: bool = False):
         self.learner, self.prox_from_forward = learner, prox_from_forward
+        pushed = learner.pushed
+        # the param version whose weights this update's forwards run on (None: weights the engine never had)
+        self.engine_version = pushed[1] if at_start and pushed is not None and pushed[0] == learner.version else None
         self.device = next(learner.model.parameters()).device
         self.denom = torch.zeros((), device=self.device)  # Σ loss_denominator of every micro-batch added
         self.loss = torch.zeros((), device=self.device)  # Σ undivided micro-batch losses
         self.tokens: Pairs = defaultdict(list)  # per-token metrics, weighted by model tokens
         self.trajectories = self.forwarded_tokens = 0
         self.busy_s = 0.0  # wall time spent in add
+        self._train_logp: torch.Tensor | None = None  # the last micro-batch's forward logp, detached
         self.trained_tokens = 0.0  # model tokens this rank back-propagated (its shares; a weight-0 stand-in adds none)
         learner.optimizer.zero_grad()
         learner.model.train()
@@ -83,9 +89,31 @@ class Accumulation:
             self.trained_tokens += n_tok
             for name, value in out.metrics.items():
                 self.tokens[name].append((float(value), n_tok))
+            self._mismatch(mine, weight)
         self.trajectories += n
         self.forwarded_tokens += batch.num_tokens
         self.busy_s += time.perf_counter() - t0
+
+    def _mismatch(self, mb: TrainBatch, weight: float) -> None:
+        """The train–inference mismatch on ``mb``'s tokens that the engine sampled with the weights the learner
+        scored them under (``tether.algo.mismatch_metrics``), as token-weighted pairs: π_prox where it was scored
+        under the pushed weights (DetachActorWorker's, or the step's start while it still equals them), else this
+        forward's own logp at the step's start. Every rank adds the same names (a share with no such token weighs
+        0), so ranks merge alike."""
+        learner = self.learner
+        if self._train_logp is None or mb.versions is None:
+            return
+        scored_at_sync = (mb.prox_logp is not None and not self.prox_from_forward
+                          and learner.worker.name != "ActorWorker")  # DetachActorWorker: the pushed weights
+        version = learner.pushed[1] if scored_at_sync and learner.pushed is not None else self.engine_version
+        if version is None:
+            return
+        mask = mb.loss_mask[:, 1:] * (mb.versions[:, 1:] == version)  # [b, T-1]
+        train = mb.prox_logp[:, 1:] if scored_at_sync and mb.prox_logp is not None else self._train_logp
+        m = mismatch_metrics(train, mb.old_logp[:, 1:], mask)
+        n = float(m["mismatch_tokens"]) * weight
+        for name in ("logp_abs_diff_mean", "mismatch_kl"):
+            self.tokens[f"rollout/{name}"].append((float(m[name]), n))
 
     def inputs(self, mb: TrainBatch) -> LossInputs:
         """The micro-batch's ``LossInputs``: the policy's forward at the loss positions (with grad), π_prox (this
@@ -95,6 +123,7 @@ class Accumulation:
         sel = mb.loss_mask[:, 1:] > 0  # [b, T-1] the positions the loss reads; logits are computed there only
         policy = forward(learner.model, mb.input_ids, mb.attention_mask, sel, learner.temperature,
                          learner.autocast)  # logp [b, T-1] float32 whatever the compute dtype
+        self._train_logp = policy.logp.detach()  # [b, T-1] at the step's start when at_start (the mismatch's)
         prox_logp: torch.Tensor | None
         if self.prox_from_forward:
             prox_logp = policy.logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward
@@ -123,6 +152,8 @@ class Accumulation:
                 p.grad.div_(denom.to(p.grad.device))
         tokens = learner.ranks.merge(self.tokens)  # over the ranks: every rank sees the same metrics, KL and loss
         for name, values in tokens.items():
+            if name.startswith("rollout/") and not math.fsum(w for _, w in values):
+                continue  # the mismatch: no token of the pushed version in this update
             acc[name].extend(values)
         total = learner.ranks.sum(self.loss) / denom
         trained = learner.ranks.sum(torch.tensor(self.trained_tokens, dtype=torch.float64))  # every rank's shares

@@ -45,6 +45,7 @@ class TrainBatch:
     teacher_logp: torch.Tensor | None = None  # [B, T] float32, the teacher's logprob of token t (distillation)
     teacher_top_ids: torch.Tensor | None = None  # [B, T, K] long, the teacher's top-k ids at position t
     teacher_top_logp: torch.Tensor | None = None  # [B, T, K] float32, their logprobs (-inf: no entry)
+    versions: torch.Tensor | None = None  # [B, T] long, the param version that sampled token t (-1: not sampled)
 
     @classmethod
     def from_trajectories(
@@ -71,6 +72,7 @@ class TrainBatch:
         attention_mask = torch.zeros((b, length), dtype=torch.long)
         loss_mask = torch.zeros((b, length), dtype=torch.float32)
         old_logp = torch.zeros((b, length), dtype=torch.float32)
+        versions = torch.full((b, length), -1, dtype=torch.long)
         for i, seg in enumerate(rows):
             p, n = len(seg.prompt_ids), lengths[i]
             input_ids[i, :n] = torch.tensor(seg.prompt_ids + seg.response_ids, dtype=torch.long)
@@ -80,8 +82,9 @@ class TrainBatch:
                 loss_mask[i, p:n] = mask
                 # The trajectory stores 0.0 where the mask is 0; enforce it so nothing leaks from a tool token.
                 old_logp[i, p:n] = torch.tensor(seg.logprobs, dtype=torch.float32) * mask
+                versions[i, p:n] = torch.tensor(seg.versions, dtype=torch.long)
         index = torch.tensor(owner, dtype=torch.long)  # [B]
-        return cls(input_ids, attention_mask, loss_mask, old_logp, adv[index], index)
+        return cls(input_ids, attention_mask, loss_mask, old_logp, adv[index], index, versions=versions)
 
     def __len__(self) -> int:
         """Rows (segments)."""

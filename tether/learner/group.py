@@ -95,7 +95,7 @@ class _Commands:
     """What each command does on one rank, rank 0 and the others alike (their results are used on rank 0 only)."""
 
     NAMES = frozenset({"hello", "train_step", "skip_step", "begin_step", "add_trajectories", "finish_step",
-                       "gather", "on_sync", "save_checkpoint", "load_checkpoint", "unsharded_model"})
+                       "gather", "on_sync", "on_push", "save_checkpoint", "load_checkpoint", "unsharded_model"})
 
     def __init__(self, learner: Learner):
         ranks = learner.ranks
@@ -142,6 +142,9 @@ class _Commands:
 
     def on_sync(self, version: int) -> None:
         self.learner.worker.on_sync(version)  # DetachActorWorker: each rank keeps its own shards
+
+    def on_push(self, param_version: int) -> None:
+        self.learner.on_push(param_version)  # and DetachActorWorker's on_sync, each rank its own shards
 
     def save_checkpoint(self, path: str, tmp: str, tokenizer: Any = None,
                         extra: dict[str, Any] | None = None) -> Path | None:
@@ -319,6 +322,10 @@ class LearnerGroup:
         if not update.trajectories:
             raise ValueError("finish_step: no trajectories were added")
         return self._call("finish_step")
+
+    def on_push(self, param_version: int) -> None:
+        """Every rank's ``Learner.on_push``: the weights are the engine's ``param_version``."""
+        self._call("on_push", param_version)
 
     def state_dict_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The whole weights on rank 0 (``Learner.state_dict_for_engine``), gathered in one command."""

@@ -160,6 +160,8 @@ class Learner:
         # the initial weights are those the rollout engine starts from
         self.worker = make_worker(worker, model, self.optimizer)
         self.worker.on_sync(self.version)
+        # (trainer version, param_version) of the weights the rollout engine holds: the initial ones at first
+        self.pushed: tuple[int, int] | None = (0, 0)
         log.info("learner: %s", self.describe())
 
     @property
@@ -169,6 +171,13 @@ class Learner:
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:  # a checkpoint restores the controller's state
         self.kl_control.value = float(value)
+
+    def on_push(self, param_version: int) -> None:
+        """The current weights were pushed to the rollout engine as ``param_version``: DetachActorWorker keeps them
+        (π_prox until the next sync), and tokens of that version are the ones whose train–inference mismatch the
+        learner can measure (``rollout/logp_abs_diff_mean``, ``rollout/mismatch_kl``) while it holds these weights."""
+        self.pushed = (self.version, param_version)
+        self.worker.on_sync(self.version)
 
     # ------------------------------------------------------------------------------------------ totals
 
@@ -222,7 +231,7 @@ class Learner:
         updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
         for k, mini in enumerate(updates):
-            kl = self._update(mini, acc, prox_from_forward=fresh_first and k == 0)
+            kl = self._update(mini, acc, prox_from_forward=fresh_first and k == 0, at_start=k == 0)
             if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
                 stopped = True  # the max-KL guard: skip the step's remaining updates
                 break
@@ -250,7 +259,7 @@ class Learner:
         closed by ``finish_step``; the same update ``train_step`` makes (``streams`` says when it may be used)."""
         if not self.streams:
             raise RuntimeError(f"this learner's step is not one update on fresh weights ({self.describe()})")
-        return Accumulation(self, prox_from_forward=self.objective.needs_prox)
+        return Accumulation(self, prox_from_forward=self.objective.needs_prox, at_start=True)
 
     def finish_step(self, update: Accumulation) -> dict[str, float]:
         """Apply the step's update; returns and records the metrics, as ``train_step`` does."""
@@ -303,11 +312,12 @@ class Learner:
         return self.ranks.sum(out)  # every rank's rows (out itself in one process)
 
     def _update(self, mini: TrainBatch, acc: dict[str, list[tuple[float, float]]],
-                prox_from_forward: bool = False) -> float | None:
+                prox_from_forward: bool = False, at_start: bool = False) -> float | None:
         """One optimizer update on a mini-batch, accumulated over its micro-batches; returns the KL to the
         reference that it measured, None when KL is off or the update was skipped. ``prox_from_forward``: the
-        weights are those of the step's start, so π_prox is this forward's own logp (detached)."""
-        update = Accumulation(self, prox_from_forward=prox_from_forward)
+        weights are those of the step's start, so π_prox is this forward's own logp (detached); ``at_start``: the
+        step's first update (its forward runs on the step's starting weights)."""
+        update = Accumulation(self, prox_from_forward=prox_from_forward, at_start=at_start)
         update.add(mini)
         return update.apply(acc)
 

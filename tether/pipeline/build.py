@@ -211,7 +211,7 @@ class Run:
                 allocator.load_state_dict(extra["allocator"])
             weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start, dtype=torch_dtype(plan.dtype))
             # DetachActorWorker keeps the pushed weights: π_prox for the steps until the next sync
-            weights.subscribe(lambda _version: learner.worker.on_sync(learner.version))
+            weights.subscribe(learner.on_push)  # and the learner knows which version its weights are
             if ckpt is not None:
                 weights.push()
             evaluator = _evaluator(cfg, plan, rt, trainer, weights,
