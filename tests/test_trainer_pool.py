@@ -112,6 +112,11 @@ def test_two_trainer_ranks_under_ray_in_fully_async_train_what_one_trains(cluste
     compare(tmp_path / "local", tmp_path / "ray", "ray, fully_async")
     rows = read_rows(tmp_path / "ray")
     assert any(r.get("perf/weight_sync_buckets", 0) >= 1 for r in rows[1:])  # the weights went to the rollouter
+    # the train–inference mismatch (fp32; the rollouter's engine vs 2 trainer ranks in other processes) is measured
+    # where the learner's weights are the ones last pushed: the first step after each sync (every 4 steps here)
+    gaps = [r.get("rollout/logp_abs_diff_mean") for r in rows if "optim/loss" in r]
+    print(f"ray, 2 ranks: mean |Δ log π| per step {gaps}")
+    assert gaps[0] is not None and max(g for g in gaps if g is not None) < 1e-4
 
 
 def _rank_pids(parent: int) -> list[int]:
