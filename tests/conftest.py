@@ -141,3 +141,23 @@ engine: {{max_tokens: 8, temperature: 1.0}}
         return [str(path), "--set", f"model.path={tiny_model}"]
 
     return make
+
+
+def random_trajectories(vocab: int, n: int = 8, seed: int = 0, *, prompt_len: int = 4, head: int = 5, gap: int = 2,
+                        min_logp: float = 2.0):
+    """``n`` trajectories of random tokens in groups of 4 (task ``t{i // 4}``): a response of 2..``head`` model
+    tokens, 0..``gap`` tool tokens, 1..4 model tokens; behaviour logprobs uniform in [-9, -``min_logp``], version 0."""
+    import random
+
+    from tether.types import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        mask = [1] * rng.randint(2, head) + [0] * rng.randint(0, gap) + [1] * rng.randint(1, 4)
+        out.append(Trajectory(
+            task_id=f"t{i // 4}", prompt_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
+            response_ids=[rng.randrange(vocab) for _ in mask], response_mask=mask,
+            logprobs=[-rng.uniform(min_logp, 9.0) if m else 0.0 for m in mask],
+            versions=[0 if m else -1 for m in mask]))
+    return out

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 
 import pytest
 import torch
 
-from conftest import REPO, learner_args
+from conftest import REPO, learner_args, random_trajectories
 from tether.config import RunConfig, load_config
 from tether.learner import load_model_and_tokenizer
 from tether.learner.accumulate import Accumulation
@@ -47,15 +46,7 @@ def learner_cfg() -> RunConfig:
 
 
 def trajectories(vocab: int, n: int = 8, seed: int = 0) -> list[Trajectory]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        mask = [1] * rng.randint(2, 6) + [0] * rng.randint(0, 3) + [1] * rng.randint(1, 4)
-        out.append(Trajectory(
-            task_id=f"t{i // 4}", prompt_ids=[rng.randrange(vocab) for _ in range(5)],
-            response_ids=[rng.randrange(vocab) for _ in mask], response_mask=mask,
-            logprobs=[-rng.uniform(5.0, 9.0) if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask]))
-    return out
+    return random_trajectories(vocab, n, seed, prompt_len=5, head=6, gap=3, min_logp=5.0)
 
 
 def spec_learner(model, cfg: RunConfig, dtype: str) -> Learner:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import random
 import re
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, SEEDS, batch_source, group_producer, make_learner, rollout_allocator
+from conftest import REPO, SEEDS, batch_source, group_producer, make_learner, random_trajectories, rollout_allocator
 from tether.config import ConfigError, RunConfig, load_config
 from tether.config.plan import Plan
 from tether.learner import load_model_and_tokenizer
@@ -77,15 +76,7 @@ def base_model(tiny_model):
 
 
 def trajectories(vocab: int, n: int = 8, seed: int = 0) -> list[Trajectory]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        mask = [1] * rng.randint(2, 5) + [0] * rng.randint(0, 2) + [1] * rng.randint(1, 4)
-        out.append(Trajectory(
-            task_id=f"t{i // 4}", prompt_ids=[rng.randrange(vocab) for _ in range(4)],
-            response_ids=[rng.randrange(vocab) for _ in mask], response_mask=mask,
-            logprobs=[-rng.uniform(2.0, 9.0) if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask]))
-    return out
+    return random_trajectories(vocab, n, seed)
 
 
 def learner_run(base_model, overrides: dict) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
