@@ -103,10 +103,27 @@ class RunConfig(Section):
         _check(ranks is None or ranks == 1 or self.actor_worker.strategy in ("fsdp", "fsdp2"),
                "several trainer ranks shard one model: set actor_worker.strategy: fsdp2 (or num_ranks: 1)",
                **{"resource_pool.trainer_pool.num_ranks": ranks, "actor_worker.strategy": self.actor_worker.strategy})
+        self._lora_alone()
         self._algorithm_defaults()
         check_reward(self)
         name_secrets(self)
         return self
+
+    def _lora_alone(self) -> None:
+        """``model.lora`` is built for one plain learner process with a local engine; the layouts that shard, spawn
+        or send the model elsewhere are refused with it, naming both keys."""
+        if self.model.lora is None:
+            return
+        aw = self.actor_worker
+        for ok, key, value in (  # several trainer ranks need fsdp2 (checked above): refused with it
+            (self.backend != "ray", "backend", self.backend),
+            (self.engine.type != "remote", "engine.type", self.engine.type),
+            (aw.strategy not in ("fsdp", "fsdp2"), "actor_worker.strategy", aw.strategy),
+            (aw.class_ != "DetachActorWorker", "actor_worker.class", aw.class_),
+        ):
+            _check(ok, f"model.lora is not supported yet with {key}: {value} (the adapter is trained in one plain "
+                       f"learner process with a local engine); remove model.lora or set {key} back to its default",
+                   **{"model.lora.rank": self.model.lora.rank, key: value})
 
     def _queue_batch(self) -> None:
         """The async trainer takes a step's ``learner.batch_size`` samples from the queue in queue batches of

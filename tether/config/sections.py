@@ -110,8 +110,36 @@ def _check_url(url: str) -> None:
 # ----------------------------------------------------------------------------- model and engine
 
 
+class LoraConfig(Section):
+    """A low-rank adapter trained on the frozen policy (``tether.learner.lora``, through peft): each target
+    projection W [out, in] becomes W + (alpha / rank) · B A with A [rank, in] and B [out, rank], B starting at zero
+    (the adapter starts as the identity: the first rollouts are the base model's). Only A and B are trained and held
+    by AdamW, the KL reference is the base with the adapter switched off (no second model), and a weight sync moves
+    A and B only (``perf/weight_sync_mb``): a rank-r adapter on the 7 projections of a layer is r · (sum of in + out)
+    numbers a layer, ~1% of the layer at rank 16 on a 7B model."""
+
+    rank: PosInt = 16
+    """r, the adapter's rank (rows of A, columns of B), in dimensions: its capacity and its size grow with it."""
+    alpha: PosFloat = 32.0
+    """The scale numerator: the update is (alpha / rank) · B A, so alpha sets the step a learning rate makes
+    independently of the rank's sum (peft's ``lora_alpha``)."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input, a probability in [0, 1) (peft's ``lora_dropout``; on in training forwards
+    only). Above 0 the learner scores π_prox in an extra pass, as for any dropout in the model."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """The linear layers that get an adapter, by module name suffix (peft's ``target_modules``): the attention and
+    MLP projections of Llama/Qwen-style models by default."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("give at least one module name (an adapter on nothing trains nothing)")
+        return v
+
+
 class ModelConfig(Section):
-    """The policy model: the built-in tiny preset or a Hugging Face folder (exactly one)."""
+    """The policy model: the built-in tiny preset or a Hugging Face folder (exactly one), and an optional adapter."""
 
     preset: Literal["tiny", "tiny-sft"] | None = "tiny"
     """Built-in model built from a config (no download), once, into the cache (``$TETHER_CACHE``): ``tiny``
@@ -127,6 +155,12 @@ class ModelConfig(Section):
     same way, without gradients; ``tether sft`` too. The rollout engine holds a bfloat16 copy of the weights (its KV
     cache in bfloat16), and every weight sync casts the learner's float32 weights to it. Checkpoints hold the float32
     weights. ``tether eval`` and ``tether serve`` load the model in this dtype."""
+    lora: LoraConfig | None = None
+    """Train a low-rank adapter instead of the full weights (any key of the section turns it on: ``model.lora:
+    {}`` or ``--set model.lora.rank=8``); None (the default) = full fine-tuning. One plain learner process only:
+    refused at load with ``backend: ray``, ``engine.type: remote``, ``actor_worker.strategy: fsdp``/``fsdp2``, several
+    trainer ranks and ``actor_worker.class: DetachActorWorker``, which are not built with it yet. Checkpoints hold the
+    adapter in peft's format (``tether export CKPT --merge`` writes merged weights)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
