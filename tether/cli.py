@@ -198,7 +198,8 @@ def sft(
     """Supervised warm start: fine-tune the model on demonstrations.
 
     Fine-tunes the config's model on the tokens the agent loop would produce (mask-1 only), then writes a Hugging Face
-    checkpoint to train from (model.path)."""
+    checkpoint to train from (model.path). With model.lora only an adapter is trained, and the weights written have it
+    merged in."""
     import torch  # noqa: PLC0415 — torch, transformers: not for --help
 
     from tether.learner.model import load_model_and_tokenizer, torch_dtype  # noqa: PLC0415 — as above
@@ -238,9 +239,15 @@ def sft(
     typer.echo(f"{len(trajs)} demonstrations, {tokens} trained tokens; {epochs} epoch{plural} at lr {lr:g}")
     torch.manual_seed(cfg.trainer.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.model.lora is not None:  # an adapter on the frozen model, merged into the weights written
+        from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+        model = lora.wrap(model, cfg.model.lora)
     with sft_bar(epochs * len(trajs)) as (seen, log):
         fine_tune(model, trajs, pad_id=pad, epochs=epochs, lr=lr, batch_size=batch_size, seed=cfg.trainer.seed,
                   augment=seen, log=log, compute_dtype=torch_dtype(cfg.model.dtype))
+    if cfg.model.lora is not None:
+        model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     typer.echo(f"wrote {out}; train from it with --set model.preset=null --set model.path={out}")
@@ -296,6 +303,42 @@ def eval_(
             typer.echo(f"{k:40s} {v:.4f}")
         typer.echo(passk.report(kinds, wins, [[t.reward for t in ts] for ts in per_task],
                                 [[t.hacking_flags.get("no_op_pass", 0) > 0 for t in ts] for ts in per_task]))
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A LoRA checkpoint: RUN/checkpoints/step_N of a model.lora run.")],
+    out: Annotated[Path, typer.Option("--out", help="The folder to write (must not exist).")],
+    merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into the base's weights (required: the "
+                                                        "only export built).")] = False,
+) -> None:
+    """Write CHECKPOINT's adapter merged into its base as a plain Hugging Face model folder, with the tokenizer.
+
+    The base is the folder the adapter names (adapter_config.json's base_model_name_or_path); W + (alpha / rank) · B A
+    is computed in float32 and written in float32. The result loads with AutoModelForCausalLM.from_pretrained and
+    needs neither peft nor the base."""
+    import torch  # noqa: PLC0415 — torch, transformers: not for --help
+    from transformers import AutoTokenizer  # noqa: PLC0415 — as above
+
+    from tether.learner import lora  # noqa: PLC0415 — peft, as above
+
+    if not merge:
+        raise fail("give --merge: the merged weights are the only export built (the checkpoint itself is the adapter "
+                   "in peft's format)")
+    if not lora.is_adapter_folder(checkpoint):
+        raise fail(f"{checkpoint} is not a LoRA checkpoint (no adapter_config.json, or a whole model's config.json "
+                   "beside it): a full fine-tuning checkpoint is already a merged model folder")
+    if out.exists():
+        raise fail(f"--out {out} already exists; give a new folder")
+    check_weights(checkpoint)
+    try:
+        model = lora.load_merged(checkpoint, torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # the base folder moved, a damaged adapter
+        raise fail(f"{checkpoint}: {e}") from None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    typer.echo(f"wrote {out}: {lora.base_of(checkpoint)} with the adapter merged in")
 
 
 @app.command()

@@ -197,9 +197,10 @@ def check_weights(folder: Path) -> None:
 
 
 def check_checkpoint(checkpoint: Path, hint: str = "pass RUN/checkpoints/step_N") -> None:
-    """Exit 2 unless ``checkpoint`` is a Hugging Face model folder with readable weights."""
-    if not (checkpoint / "config.json").is_file():
-        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json); {hint}")
+    """Exit 2 unless ``checkpoint`` is a Hugging Face model folder, or a LoRA checkpoint (an adapter in peft's
+    format: ``adapter_config.json``), with readable weights."""
+    if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
+        raise fail(f"{checkpoint} is not a checkpoint folder (no config.json or adapter_config.json); {hint}")
     check_weights(checkpoint)
 
 

@@ -133,9 +133,9 @@ class Accumulation:
         with torch.set_grad_enabled(learner.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = policy.entropy()  # [b, T-1]
         ref_logp = None
-        if learner.ref_model is not None:
-            with torch.no_grad():
-                ref_logp = forward(learner.ref_model, mb.input_ids, mb.attention_mask, sel, learner.temperature,
+        with learner.reference() as ref, torch.no_grad():  # model.lora: the policy with its adapter off
+            if ref is not None:
+                ref_logp = forward(ref, mb.input_ids, mb.attention_mask, sel, learner.temperature,
                                    learner.autocast).logp  # the reference computes as the policy does
         return LossInputs(logp=policy.logp, prox_logp=prox_logp, behav_logp=mb.old_logp[:, 1:],
                           advantages=mb.advantages, mask=mb.loss_mask[:, 1:], entropy=entropy, ref_logp=ref_logp,

@@ -15,6 +15,12 @@ redacted one (``RunConfig.to_yaml``).
 
 The reference model is not saved: build the learner from the *initial* model, then ``load_checkpoint``.
 
+With ``model.lora`` the model's files are the adapter in peft's format instead (``adapter_config.json``, naming the
+base's folder, and ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, step_N)`` loads it), megabytes
+instead of the whole weights; no ``config.json``, so that ``from_pretrained(step_N)`` is not mistaken for a whole
+model. ``tether eval`` and ``serve`` load such a folder as its base with the adapter merged in
+(``tether.learner.model.load_model_and_tokenizer``); ``tether export CKPT --merge`` writes the merged weights.
+
 A learner sharded over several ranks (``tether.learner.group``) saves with ``save_sharded_checkpoint``, every rank at
 once: its weights and AdamW state as ``torch.distributed.checkpoint`` shards in ``shards/`` (each rank writes its own
 file; no rank gathers the optimizer state), plus the same consolidated HF weights and ``trainer_state.pt`` (the
@@ -126,7 +132,7 @@ def _finish_save(path: Path, tmp: Path, whole_model: Any, learner: Learner, opti
     """Write the consolidated weights (``whole_model()``), tokenizer and trainer state into ``tmp`` and rename it to
     ``path``; a failure removes ``tmp`` (a full disk is said as one)."""
     try:
-        whole_model().save_pretrained(tmp)  # FSDP2: the whole weights
+        whole_model().save_pretrained(tmp)  # FSDP2: the whole weights; model.lora: the adapter (peft's format)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         state = {
@@ -173,7 +179,16 @@ def load_checkpoint(path: str | os.PathLike, learner: Learner) -> dict[str, Any]
     if (path / SHARDS_DIR).is_dir():  # saved by several ranks: the weights and moments from the shards, resharded
         _load_shards(learner, path / SHARDS_DIR)
         learner.optimizer.load_state_dict({**state["optimizer"], "optimizer": learner.optimizer.optimizer.state_dict()})
+    elif learner.lora_scaling is not None:  # model.lora: the adapter; the base is the model the learner was built on
+        from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+        if not (path / "adapter_model.safetensors").is_file():
+            raise ValueError(f"{path} holds whole weights, not an adapter: it was saved by a run without model.lora")
+        lora.load_adapter_weights(learner.model, path)
+        fsdp.load_optimizer_state(learner, state["optimizer"])
     else:
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise ValueError(f"{path} holds a LoRA adapter: resume it with model.lora set as in its run")
         _load_weights(learner.model, path)
         fsdp.load_optimizer_state(learner, state["optimizer"])
     learner.version = int(state["version"])
@@ -230,7 +245,8 @@ def _complete(root: Path) -> list[Path]:
     found = []
     for d in root.iterdir():
         m = _STEP_DIR.fullmatch(d.name)
-        if m and (d / STATE_FILE).is_file() and (d / "config.json").is_file():
+        model = (d / "config.json").is_file() or (d / "adapter_config.json").is_file()  # whole weights or an adapter
+        if m and (d / STATE_FILE).is_file() and model:
             found.append((int(m.group(1)), d))
     return [d for _, d in sorted(found)]
 

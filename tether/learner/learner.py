@@ -67,6 +67,7 @@ Per-token metrics are averaged over micro-batches weighted by their model-token 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -106,7 +107,9 @@ _LAST = {"optim/lr", "optim/kl_coef", "optim/skipped_steps", "optim/kl_guard_sto
 class Learner:
     """The policy (trained), a frozen reference (when KL is on), the optimizer, and ``train_step``.
 
-    ``ref_model``: the KL reference; None = a deep copy of ``model`` as given. Unused (dropped) when
+    ``ref_model``: the KL reference; None = a deep copy of ``model`` as given, or for a peft LoRA model
+    (``model.lora``, ``tether.learner.lora.wrap``) no copy: the policy with its adapter off (``reference``); then
+    ``lora_scaling`` is alpha / rank and a weight sync sends ``adapter_for_engine``. Unused (dropped) when
     ``kl_control.type`` is "none". ``version`` counts completed trainer steps, skipped updates included.
 
     ``lc``: the ``learner`` section (batching, off-policy correction); ``po``: ``policy_optimization``;
@@ -147,10 +150,14 @@ class Learner:
         self.max_kl = kc.max_kl if kl_on else None
         self.kl_guard_stops = 0
         self.ref_model = None
-        if kl_on:
+        # model.lora: the model is a peft model (tether.learner.lora), its base frozen; the KL reference is the same
+        # model with the adapter switched off (``reference``), so no copy is made
+        self.lora_scaling: float | None = _lora_scaling(model)
+        if kl_on and self.lora_scaling is None:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.requires_grad_(False).eval()
-        self.optimizer = PolicyOptimizer.from_config(model.parameters(), po.optimizer)
+        self.kl_on = kl_on
+        self.optimizer = PolicyOptimizer.from_config(model.parameters(), po.optimizer)  # those requiring grad only
         self.pad_id = _pad_id(model)
         # π_prox from the first update's own forward (one fewer pass) when that forward is the eval one
         self.prox_from_forward = _no_dropout(model)
@@ -163,6 +170,18 @@ class Learner:
         # (trainer version, param_version) of the weights the rollout engine holds: the initial ones at first
         self.pushed: tuple[int, int] | None = (0, 0)
         log.info("learner: %s", self.describe())
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module | None]:
+        """The KL reference for the block: the frozen copy, the policy with its adapter off (``model.lora``), or None
+        when KL is off."""
+        if self.lora_scaling is None or not self.kl_on:
+            yield self.ref_model
+            return
+        from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+        with lora.reference(self.model) as base:
+            yield base
 
     @property
     def kl_coef(self) -> float:
@@ -325,13 +344,34 @@ class Learner:
 
     def state_dict_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's weights (a copy, so further training does not change what was pushed);
-        ``dtype``: the engine's (``model.dtype``), the floating tensors cast in the copy (None: the master weights')."""
+        ``dtype``: the engine's (``model.dtype``), the floating tensors cast in the copy (None: the master weights').
+        With ``model.lora``: the base's weights with the adapter merged in, under the base's names (what an engine
+        that takes whole weights needs; ``adapter_for_engine`` is the adapter alone)."""
+        if self.lora_scaling is not None:
+            from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+            return lora.merged_state_dict(self.model, dtype)
         return {k: engine_copy(full_tensor(v), dtype) for k, v in self.model.state_dict().items()}  # gathers shards
+
+    def adapter_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``model.lora``: copies of the adapter's A [r, in] and B [out, r] keyed ``<layer>.lora_A`` / ``.lora_B`` by
+        the base's layer names (``tether.learner.lora.adapter_for_engine``); with ``lora_scaling`` the engine forms
+        W_base + s · B @ A. Megabytes where the whole weights are gigabytes."""
+        if self.lora_scaling is None:
+            raise ValueError("adapter_for_engine: this learner trains full weights (model.lora is not set)")
+        from tether.learner import lora  # noqa: PLC0415 — as above
+
+        return lora.adapter_for_engine(self.model, dtype)
 
     def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """``state_dict_for_engine`` in buckets of at most ``bucket_bytes`` bytes of master weights
         (``tether.learner.buckets``), each gathered and copied when it is asked for: a consumer that sends and drops
         each bucket never holds more than one beside the model."""
+        if self.lora_scaling is not None:  # merged: computed whole, then cut
+            merged = self.state_dict_for_engine(dtype)
+            for names in cut_buckets(merged, bucket_bytes):
+                yield {k: merged[k] for k in names}
+            return
         state = self.model.state_dict()
         for names in cut_buckets(state, bucket_bytes):
             yield {k: engine_copy(full_tensor(state[k]), dtype) for k in names}
@@ -343,6 +383,15 @@ def engine_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor
     if dtype is None or not tensor.is_floating_point():
         return tensor.detach().clone()
     return tensor.detach().to(dtype, copy=True)
+
+
+def _lora_scaling(model: torch.nn.Module) -> float | None:
+    """alpha / rank of a peft LoRA model (``tether.learner.lora.wrap``), None for a plain one."""
+    if not hasattr(model, "peft_config"):
+        return None
+    from tether.learner import lora  # noqa: PLC0415 — as above
+
+    return lora.scaling(model)
 
 
 def _short(dtype: torch.dtype) -> str:

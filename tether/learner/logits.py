@@ -72,6 +72,8 @@ def token_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     prompt and tool tokens (and their log-softmax, entropy and backward), most of a forward's work at a small
     model's vocabulary, are never formed. Models whose head does more than a linear map (logit soft-capping or
     scaling) take the plain path: full logits, then the same positions."""
+    if hasattr(model, "get_base_model"):  # a peft model (model.lora): the adapter lives in the HF model's own layers
+        model = model.get_base_model()
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)

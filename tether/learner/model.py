@@ -58,9 +58,14 @@ BUILD_VERSION = 2  # bump when the built-in corpus or build_tiny's code changes 
 
 
 def load_model_and_tokenizer(path: str | os.PathLike, dtype: str = "float32") -> tuple[Any, Any]:
-    """A causal LM and its tokenizer (with its chat template) from a local HF folder, in eval mode."""
+    """A causal LM and its tokenizer (with its chat template) from a local HF folder, in eval mode; a LoRA checkpoint
+    (an adapter in peft's format, ``tether.learner.lora``) gives its base model with the adapter merged in."""
     torch_dtype(dtype)  # a bad name fails before anything is read
     path = str(path)
+    if Path(path, "adapter_config.json").is_file() and not Path(path, "config.json").is_file():
+        from tether.learner import lora  # noqa: PLC0415 — peft, for a LoRA checkpoint only
+
+        return lora.load_merged(path, _DTYPES[dtype]), AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not Path(path, "config.json").is_file():
         raise FileNotFoundError(f"{path!r} is not a Hugging Face model folder (no config.json in it)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

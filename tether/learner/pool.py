@@ -29,7 +29,7 @@ import torch
 
 from tether.config.actor import ActorWorkerConfig
 from tether.config.policy import PolicyOptimConfig
-from tether.config.sections import LearnerConfig
+from tether.config.sections import LearnerConfig, LoraConfig
 from tether.config.teacher import TeacherConfig
 from tether.learner import fsdp
 from tether.learner.checkpoint import load_checkpoint, save_checkpoint
@@ -52,10 +52,15 @@ class LearnerSpec:
     max_response_tokens: int
     teacher: TeacherConfig | None = None
     dtype: str = "float32"  # model.dtype: the forward and backward's; every rank's master weights are float32
+    lora: LoraConfig | None = None  # model.lora: the model is wrapped with a trainable adapter, its base frozen
 
     def build(self, model: Any, ranks: Ranks | None = None) -> Learner:
         """This rank's learner: ``fsdp.run_learner`` for one rank, sharded over ``ranks`` for several; ``model``: its
-        float32 master weights."""
+        float32 master weights (wrapped in place with the adapter of ``lora``: ``tether.learner.lora.wrap``)."""
+        if self.lora is not None:
+            from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+            model = lora.wrap(model, self.lora)
         kwargs: dict[str, Any] = dict(temperature=self.temperature, max_response_tokens=self.max_response_tokens,
                                       teacher=self.teacher)
         dtype = torch_dtype(self.dtype)
@@ -89,9 +94,14 @@ class Trainer:
         return load_checkpoint(path, self.learner)
 
     def whole_model(self) -> Any:
-        """The trained weights in a plain model (a collective over the ranks when sharded)."""
+        """The trained weights in a plain model (a collective over the ranks when sharded; with ``model.lora`` the
+        adapter merged into a copy)."""
         if isinstance(self.learner, LearnerGroup):
             return self.learner.unsharded_model()
+        if self.learner.lora_scaling is not None:  # model.lora: a plain copy with the adapter merged in
+            from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+            return lora.merged_copy(self.learner.model)
         return fsdp.unsharded(self.learner.model)
 
     def pids(self) -> dict[int, int]:

@@ -52,7 +52,8 @@ def sft(model: Any, trajectories: Sequence[Trajectory], *, pad_id: int, epochs: 
     threads = threads or TorchThreads(log)
     with threads:
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        trained = [p for p in model.parameters() if p.requires_grad]  # model.lora: the adapter only
+        opt = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=weight_decay)
         sched = warmup_cosine(opt, epochs * math.ceil(len(trajectories) / batch_size), warmup)
         rng = random.Random(seed)
         order = list(range(len(trajectories)))

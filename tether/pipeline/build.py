@@ -193,7 +193,8 @@ class Run:
             rt = Runtime.build(cfg, model_dir, engine=parts.engine() if parts is not None else None)
             closers.append(rt.close)
             spec = LearnerSpec(cfg.learner, po, cfg.actor_worker, temperature=cfg.engine.temperature,
-                               max_response_tokens=plan.max_response_tokens, teacher=cfg.teacher, dtype=plan.dtype)
+                               max_response_tokens=plan.max_response_tokens, teacher=cfg.teacher, dtype=plan.dtype,
+                               lora=cfg.model.lora)
             trainer = start_trainer(rt.model, model_dir, spec, num_ranks=trainer_ranks(cfg))  # plain, FSDP2, N ranks
             closers.append(trainer.close)
             learner = trainer.learner

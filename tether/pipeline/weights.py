@@ -22,6 +22,7 @@ import torch
 
 from tether.metrics import record_metric
 
+MiB = 1 << 20
 RUN_LOG = logging.getLogger("tether.run")  # RUN/train.log (tether.pipeline.progress)
 
 
@@ -42,17 +43,33 @@ class WeightSync:
         self._listeners.append(listener)
 
     def push(self) -> None:
-        """Load the learner's weights into the engine as ``self.version`` and tell the subscribers."""
+        """Load the learner's weights into the engine as ``self.version`` and tell the subscribers.
+
+        With ``model.lora`` (``learner.lora_scaling`` set) only the adapter goes (``update_adapter``: A and B of every
+        adapted layer and alpha / rank; the engine keeps its base weights), when the engine takes one; else the whole
+        weights (merged, for a LoRA learner). ``perf/weight_sync_mb``: the bytes pushed, in MiB (``backend: ray``'s
+        engine records its own)."""
         t = time.perf_counter()
-        if hasattr(self.engine, "update_weights_from_buckets"):  # backend: ray — gathered and sent bucket by bucket
+        sent: int | None = 0
+        scaling = getattr(self.learner, "lora_scaling", None)
+        if scaling is not None and hasattr(self.engine, "update_adapter"):  # model.lora: the adapter alone
+            adapter = self.learner.adapter_for_engine(self.dtype)
+            sent = _nbytes(adapter)
+            self.engine.update_adapter(adapter, scaling, self.version)
+        elif hasattr(self.engine, "update_weights_from_buckets"):  # backend: ray — gathered and sent bucket by bucket
             self.engine.update_weights_from_buckets(self.learner.weight_buckets(self.engine.bucket_bytes, self.dtype),
-                                                    self.version)
+                                                    self.version)  # it records perf/weight_sync_mb itself
+            sent = None
         else:  # the engine loads every tensor at once (one version at a step boundary): the whole state dict
-            self.engine.update_weights(self.learner.state_dict_for_engine(self.dtype), self.version)
+            state = self.learner.state_dict_for_engine(self.dtype)
+            sent = _nbytes(state)
+            self.engine.update_weights(state, self.version)
         for listener in self._listeners:
             listener(self.version)
         elapsed = time.perf_counter() - t
         record_metric("perf/weight_sync_s", elapsed, "sum")
+        if sent is not None:
+            record_metric("perf/weight_sync_mb", sent / MiB, "sum")
         RUN_LOG.info("parameter sync: param_version=%d pushed to the rollout engine in %.3f s", self.version, elapsed)
 
     def after_step(self, step: int) -> bool:
@@ -62,3 +79,8 @@ class WeightSync:
         self.version = step // self.every
         self.push()
         return True
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors' elements (what a sync moves; no container overhead)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
