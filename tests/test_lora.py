@@ -247,3 +247,28 @@ def test_sft_with_lora_trains_the_adapter_and_leaves_the_base(tiny_model):
     merged = peft.merge_and_unload()
     moved = {k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])}
     assert moved and all(k.endswith(".weight") and any(f".{t}." in k for t in TARGET_NAMES) for k in moved), moved
+
+
+def test_a_lora_run_resumes_to_the_same_adapter(small_run, tiny_model, tmp_path):
+    """Step 2 again from step 1's checkpoint (adapter, AdamW moments, RNG): the same adapter as straight on."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from tether.config import load_config
+    from tether.pipeline.trainer import train
+
+    sets = ("model.lora.rank=8", "trainer.total_steps=2", "trainer.save_every=1", "trainer.deterministic=true")
+    _, _, run_dir = small_run("straight", *sets)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_2")
+    assert lora.base_of(run_dir / "checkpoints" / "step_1") == tiny_model  # the adapter names its base
+    cfg = load_config([tmp_path / "small_run.yaml"], [f"model.path={tiny_model}", *sets])
+    train(cfg, resumed, resume=True, show_progress=False)
+    a = load_file(run_dir / "checkpoints" / "step_2" / "adapter_model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_2" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert max((a[k] - load_file(run_dir / "checkpoints" / "step_1" / "adapter_model.safetensors")[k]).abs().max()
+               .item() for k in a) > 1e-6  # step 2 moved the adapter
