@@ -312,11 +312,11 @@ def export(
     merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into the base's weights (required: the "
                                                         "only export built).")] = False,
 ) -> None:
-    """Write CHECKPOINT's adapter merged into its base as a plain Hugging Face model folder, with the tokenizer.
+    """Merge a LoRA CHECKPOINT into its base as a plain HF model folder.
 
-    The base is the folder the adapter names (adapter_config.json's base_model_name_or_path); W + (alpha / rank) · B A
-    is computed in float32 and written in float32. The result loads with AutoModelForCausalLM.from_pretrained and
-    needs neither peft nor the base."""
+    The folder holds the merged weights and the tokenizer. The base is the folder the adapter names
+    (adapter_config.json's base_model_name_or_path); W + (alpha / rank) · B A is computed and written
+    in float32. The result loads with AutoModelForCausalLM.from_pretrained and needs neither peft nor the base."""
     import torch  # noqa: PLC0415 — torch, transformers: not for --help
     from transformers import AutoTokenizer  # noqa: PLC0415 — as above
 

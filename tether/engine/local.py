@@ -58,6 +58,7 @@ import torch
 
 from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
+from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
 from tether.engine.sampling import sample
 
@@ -156,6 +157,7 @@ class LocalEngine:
         if problem:
             log.info("LocalEngine: HF fallback (one forward per sequence per step): %s", problem)
         self._runner = HFRunner(model) if problem else LlamaFamilyRunner(model)
+        self._adapters = AdapterMerge(model)  # update_adapter: the base weights it merges into
         self.deterministic = deterministic
         self._slots = SlotTable(self._runner, prefix_cache_size, reuse=not (problem or deterministic))
         self._max_len = model.config.max_position_embeddings
@@ -223,6 +225,15 @@ class LocalEngine:
         update.done.wait()
         if update.error is not None:
             raise update.error
+
+    def update_adapter(self, adapter: dict[str, torch.Tensor], scaling: float, version: int) -> None:
+        """Serve the base model plus a LoRA adapter (A, B by layer name; ``tether.engine.lora``) as ``version``: the
+        adapter is merged into a copy of the base weights and loaded as ``update_weights`` loads weights."""
+        self.update_weights(self._adapters.merged(adapter, scaling), version)
+
+    def unload_adapter(self, version: int) -> None:
+        """Serve the base model again (the weights an adapter replaced) as ``version``."""
+        self.update_weights(self._adapters.base(), version)
 
     def set_num_threads(self, n: int) -> None:
         """The worker's torch threads from its next step on (e.g. half the cores when a learner computes beside it)."""
