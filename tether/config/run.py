@@ -116,10 +116,8 @@ class RunConfig(Section):
             return
         aw = self.actor_worker
         for ok, key, value in (  # several trainer ranks need fsdp2 (checked above): refused with it
-            (self.backend != "ray", "backend", self.backend),
             (self.engine.type != "remote", "engine.type", self.engine.type),
             (aw.strategy not in ("fsdp", "fsdp2"), "actor_worker.strategy", aw.strategy),
-            (aw.class_ != "DetachActorWorker", "actor_worker.class", aw.class_),
         ):
             _check(ok, f"model.lora is not supported yet with {key}: {value} (the adapter is trained in one plain "
                        f"learner process with a local engine); remove model.lora or set {key} back to its default",

@@ -158,8 +158,8 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train a low-rank adapter instead of the full weights (any key of the section turns it on: ``model.lora:
     {}`` or ``--set model.lora.rank=8``); None (the default) = full fine-tuning. One plain learner process only:
-    refused at load with ``backend: ray``, ``engine.type: remote``, ``actor_worker.strategy: fsdp``/``fsdp2``, several
-    trainer ranks and ``actor_worker.class: DetachActorWorker``, which are not built with it yet. Checkpoints hold the
+    refused at load with ``engine.type: remote``, ``actor_worker.strategy: fsdp``/``fsdp2`` and several trainer ranks,
+    which are not built with it yet (``backend: ray`` syncs the adapter alone to the rollouter). Checkpoints hold the
     adapter in peft's format (``tether export CKPT --merge`` writes merged weights)."""
 
     @model_validator(mode="after")

@@ -132,6 +132,20 @@ class RolloutWorker:
                 await self._load(unpack_buckets(list(buckets)), token, version, "object_store")
         return self.token
 
+    async def update_adapter(self, token: int, version: int, refs: list[Any], scaling: float) -> int:
+        """``model.lora``: load push ``token``, a LoRA adapter (its buckets' object refs: A and B by layer name),
+        merged with ``scaling`` into the engine's base weights, unless a push as new is held; returns the token held."""
+        engine = self.rt.engine
+        if not hasattr(engine, "update_adapter"):
+            raise RuntimeError(f"model.lora: the rollouter's engine ({type(engine).__name__}, engine.type = "
+                               f"{self.rt.cfg.engine.type}) cannot serve a LoRA adapter; use engine.type: local")
+        async with self._update_lock:
+            if token > self.token:
+                adapter = unpack_buckets(list(await asyncio.gather(*refs)))
+                await asyncio.to_thread(engine.update_adapter, adapter, scaling, version)
+                self._loaded(token, version, "object_store")
+        return self.token
+
     def weight_group(self) -> tuple[str | None, bool]:
         """The broadcast group this incarnation is in (None: none yet), and whether it has a GPU (NCCL)."""
         return (self.weights_group.name if self.weights_group is not None else None), torch.cuda.is_available()
@@ -157,6 +171,9 @@ class RolloutWorker:
 
     async def _load(self, state_dict: dict[str, torch.Tensor], token: int, version: int, path: str) -> None:
         await asyncio.to_thread(self.rt.engine.update_weights, state_dict, version)
+        self._loaded(token, version, path)
+
+    def _loaded(self, token: int, version: int, path: str) -> None:
         self.token, self.version = token, version
         self.loads[path] += 1
 

@@ -4,7 +4,8 @@
 
 - ``RolloutHandle`` for the rollout engine: ``update_weights`` puts the weights into the object store in buckets
   and has the RolloutWorker load them, or broadcasts the buckets to it (``ray.weight_transfer: nccl``; both in
-  ``weight_transfer.py``); ``stats`` is the engine's.
+  ``weight_transfer.py``); ``update_adapter`` sends a LoRA adapter alone (``model.lora``); ``stats`` is the
+  engine's.
 - ``RemoteRollouter`` for the ``Rollouter``: ``group`` / ``groups`` run in the RolloutWorker, and with them the LLM
   judge's reward loop and the teacher; the trainer settles judge failures (``reward.on_judge_failure``).
 - ``RemoteQueue`` for the ``MessageQueue`` (async modes): the same methods, in a QueueWorker actor.
@@ -93,21 +94,46 @@ class RolloutHandle:
         if self.transfer == "nccl":
             self._broadcast(buckets, version)
             return
-        import ray  # noqa: PLC0415 — the optional extra ``ray``
-
         with self._lock:
             self._tokens += 1
             push = put_buckets(buckets, self._tokens, version)
             self.latest, self.token = push, push.token
         record_metric("perf/weight_sync_buckets", len(push.refs), "sum")
         record_metric("perf/weight_sync_mb", push.nbytes / MiB, "sum")
+        self._deliver(push)
+
+    def update_adapter(self, adapter: dict[str, torch.Tensor], scaling: float, version: int) -> None:
+        """``model.lora``: push the adapter (``Learner.adapter_for_engine``: A and B by layer name) as ``version``; the
+        actor's engine merges it with ``scaling`` (alpha / rank) into its base weights (``LocalEngine.update_adapter``).
+        Through the object store under either ``ray.weight_transfer`` (``weight_transfer.py``); ``WeightSync``
+        records its bytes as ``perf/weight_sync_mb``."""
+        with self._push_lock:  # nccl: after a broadcast in progress, so the catch-up sends the newest push
+            with self._lock:
+                self._tokens += 1
+                buckets = ({n: adapter[n] for n in names} for names in cut_buckets(adapter, self.bucket_bytes))
+                push = put_buckets(buckets, self._tokens, version, scaling)
+                self.latest, self.token = push, push.token
+            self._sent = None  # an older broadcast: never the one to catch up to
+        record_metric("perf/weight_sync_buckets", len(push.refs), "sum")
+        self._deliver(push)
+
+    def _deliver(self, push: WeightPush) -> None:
+        """Have the actor load ``push`` from the object store, again to each new incarnation until one has it."""
+        import ray  # noqa: PLC0415 — the optional extra ``ray``
+
         while True:
             try:
-                ray.get(self.actor.update_weights.remote(push.token, push.version, push.refs))
+                ray.get(self._load(push))
                 return
             except _actor_errors():  # the new incarnation gets this push on the next attempt: it catches up
                 self.wait_alive()
                 record_metric("ray/weight_catch_ups", 1, "sum")
+
+    def _load(self, push: WeightPush) -> Any:
+        """The actor's call that loads ``push`` (an adapter, or weights), as an object ref."""
+        if push.scaling is not None:
+            return self.actor.update_adapter.remote(push.token, push.version, push.refs, push.scaling)
+        return self.actor.update_weights.remote(push.token, push.version, push.refs)
 
     def _broadcast(self, buckets: Iterable[dict[str, Any]], version: int) -> None:
         """Tell the actor what comes (token, version, layout), then broadcast the buckets to it. Each bucket is
@@ -177,15 +203,18 @@ class RolloutHandle:
         else:
             push = self.latest
         if push is not None:
-            await self.actor.update_weights.remote(push.token, push.version, push.refs)
+            await self._load(push)
 
     def _object_store_copy(self) -> WeightPush | None:
-        """The latest broadcast put into the object store (once per push), or None when the actor holds it."""
+        """The latest broadcast put into the object store (once per push), None when the actor holds it, or the
+        latest push when it went through the object store anyway (a LoRA adapter: ``update_adapter``)."""
         import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         with self._push_lock:
             sent = self._sent
-            if sent is None or ray.get(self.actor.stats.remote())["token"] >= sent[0]:
+            if sent is None:
+                return self.latest
+            if ray.get(self.actor.stats.remote())["token"] >= sent[0]:
                 return None
             token, version, layouts, buffers = sent
             if self.latest is None or self.latest.token != token:  # copies, not views: a pickled view carries

@@ -30,6 +30,13 @@ its memory) and puts them there when a catch-up asks — and the next push makes
 incarnation (``ray/weight_group_joins``; a group cannot take in a new process). Both paths record
 ``perf/weight_sync_buckets`` and ``perf/weight_sync_mb`` per sync (``WeightSync`` the seconds,
 ``perf/weight_sync_s``).
+
+**A LoRA adapter** (``model.lora``). The base weights never change, so a sync sends only the adapter — A and B of
+every adapted layer, by the base model's layer names, with alpha / rank — through the object store whatever
+``ray.weight_transfer`` says (a few hundred KiB to a few MiB: a broadcast group buys nothing), under the same tokens;
+the actor merges it into the base weights its engine loaded from the model folder (``LocalEngine.update_adapter``).
+A restarted actor starts from the base again and catches up to the latest adapter like to the latest weights.
+``WeightSync`` records its ``perf/weight_sync_mb`` (the adapter's bytes).
 """
 
 from __future__ import annotations
@@ -66,15 +73,18 @@ def unpack_buckets(buckets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 
 class WeightPush:
     """One push: its token, parameter version and the object references of its buckets (kept alive by this
-    object: the trainer holds the latest push so that a restarted actor can fetch it)."""
+    object: the trainer holds the latest push so that a restarted actor can fetch it). ``scaling``: set for a LoRA
+    adapter (``model.lora``: the buckets hold A and B by layer name, the engine merges them with alpha / rank =
+    ``scaling`` into its base weights); None for weights."""
 
-    def __init__(self, token: int, version: int, refs: list[Any], nbytes: int):
-        self.token, self.version, self.refs, self.nbytes = token, version, refs, nbytes
+    def __init__(self, token: int, version: int, refs: list[Any], nbytes: int, scaling: float | None = None):
+        self.token, self.version, self.refs, self.nbytes, self.scaling = token, version, refs, nbytes, scaling
 
 
-def put_buckets(buckets: Iterable[dict[str, torch.Tensor]], token: int, version: int) -> WeightPush:
+def put_buckets(buckets: Iterable[dict[str, torch.Tensor]], token: int, version: int,
+                scaling: float | None = None) -> WeightPush:
     """Put each bucket into the object store (as contiguous CPU tensors) as it comes: a bucket is dropped here before
-    the next is asked for."""
+    the next is asked for. ``scaling``: the buckets are a LoRA adapter (``WeightPush``)."""
     import ray  # noqa: PLC0415 — the optional extra ``ray``
 
     refs, nbytes = [], 0
@@ -82,7 +92,7 @@ def put_buckets(buckets: Iterable[dict[str, torch.Tensor]], token: int, version:
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in bucket.items()}
         nbytes += sum(t.numel() * t.element_size() for t in cpu.values())
         refs.append(ray.put(cpu))
-    return WeightPush(token, version, refs, nbytes)
+    return WeightPush(token, version, refs, nbytes, scaling)
 
 
 # ------------------------------------------------------------------------------------------- the broadcast (nccl)

@@ -15,9 +15,12 @@ trainer's weights in CPU memory, by name (``save(slot)``, ``restore(slot)``, ``d
 - **Freeing accelerator memory between phases** (``offload`` / ``reload``): the weights, gradients and the
   optimizer's moments move to CPU memory and back, e.g. while the rollout engine needs the GPU.
 
-Sharded (FSDP2) parameters are saved shard by shard: each rank copies its own local shard, as verl's
-``fsdp2_sharded_save_to_cpu``. Timings go to ``perf/detach_save_s`` and ``perf/detach_restore_s`` (seconds per
-trainer step, summed); ``benchmarks/detach_save_restore.py`` measures them alone.
+Only the parameters that train are kept: with ``model.lora`` the adapter alone (the frozen base never moves), so
+a slot is the adapter's size and π_prox is the policy with the last sync's adapter — the one the rollout engine
+serves (the sync pushes that adapter: ``tether.pipeline.weights``). Sharded (FSDP2) parameters are saved shard by
+shard: each rank copies its own local shard, as verl's ``fsdp2_sharded_save_to_cpu``. Timings go to
+``perf/detach_save_s`` and ``perf/detach_restore_s`` (seconds per trainer step, summed);
+``benchmarks/detach_save_restore.py`` measures them alone.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class DetachActorWorker(ActorWorker):
             if isinstance(module, FSDPModule):
                 module.reshard()
         for name, p in self.model.named_parameters():  # tied parameters once
-            yield name, _local(p)
+            if p.requires_grad:  # frozen ones never move (model.lora: the base): only the trained are kept
+                yield name, _local(p)
 
     def save(self, slot: str) -> float:
         """Copy the parameters (this rank's shards) into CPU memory as ``slot``; returns the seconds it took."""
