@@ -116,12 +116,15 @@ class RunConfig(Section):
             return
         aw = self.actor_worker
         for ok, key, value in (  # several trainer ranks need fsdp2 (checked above): refused with it
-            (self.engine.type != "remote", "engine.type", self.engine.type),
             (aw.strategy not in ("fsdp", "fsdp2"), "actor_worker.strategy", aw.strategy),
         ):
             _check(ok, f"model.lora is not supported yet with {key}: {value} (the adapter is trained in one plain "
                        f"learner process with a local engine); remove model.lora or set {key} back to its default",
                    **{"model.lora.rank": self.model.lora.rank, key: value})
+        _check(self.engine.weight_sync_dir is None, "model.lora pushes the adapter to a remote engine in the request "
+               "body (tether serve's /update_lora_adapter_from_tensor), not through a folder: unset "
+               "engine.weight_sync_dir or remove model.lora",
+               **{"model.lora.rank": self.model.lora.rank, "engine.weight_sync_dir": self.engine.weight_sync_dir})
 
     def _queue_batch(self) -> None:
         """The async trainer takes a step's ``learner.batch_size`` samples from the queue in queue batches of

@@ -158,9 +158,10 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train a low-rank adapter instead of the full weights (any key of the section turns it on: ``model.lora:
     {}`` or ``--set model.lora.rank=8``); None (the default) = full fine-tuning. One plain learner process only:
-    refused at load with ``engine.type: remote``, ``actor_worker.strategy: fsdp``/``fsdp2`` and several trainer ranks,
-    which are not built with it yet (``backend: ray`` syncs the adapter alone to the rollouter). Checkpoints hold the
-    adapter in peft's format (``tether export CKPT --merge`` writes merged weights)."""
+    refused at load with ``actor_worker.strategy: fsdp``/``fsdp2`` and several trainer ranks, which are not built with
+    it yet, and with ``engine.weight_sync_dir`` (``backend: ray`` syncs the adapter alone to the rollouter;
+    ``engine.type: remote`` pushes it alone to ``tether serve`` in the request body, ``tether.serve.adapters``).
+    Checkpoints hold the adapter in peft's format (``tether export CKPT --merge`` writes merged weights)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -27,6 +27,14 @@ dict and tags it with the version, at the server root (``base_url`` less ``/v1``
   "weight_version"}`` — SGLang's endpoint. The previous version's folder is removed once the server has loaded
   the new one.
 
+With ``model.lora`` the trainer pushes the adapter alone (``update_adapter``, from ``WeightSync``): A [r, in] and
+B [out, r] of every adapted layer by the base model's layer names, ``POST /update_lora_adapter_from_tensor?
+weight_version=N&scaling=S`` with the body ``safetensors.torch.save`` of them — tether serve's own endpoint (SGLang
+and vLLM load adapters by name for requests, not into the served model at a version), after which the server serves
+its base plus s · B @ A (``tether.serve.adapters``). Megabytes instead of the model's gigabytes. Always in the
+request body: ``engine.weight_sync_dir`` is refused with ``model.lora`` at load (only tether serve takes the push,
+and it takes it in the body).
+
 The call returns when the server has answered ``success``: every token sampled afterwards carries the version.
 Pushes are counted and timed in ``stats`` (``weight_updates``, ``weight_update_s``, ``weight_update_bytes``).
 
@@ -143,22 +151,48 @@ class RemoteEngine:
             # the version as a string: SGLang's field is a str, tether serve's an int that reads "3" as 3
             request = self.client.post(path, {"model_path": str(folder), "weight_version": str(version)},
                                        timeout_s=self.update_timeout_s)
+        self._push(path, request, version, "the learner's weights cannot reach it: tether serve has both update "
+                   "endpoints; for SGLang set engine.weight_sync_dir to a folder it can read "
+                   "(/update_weights_from_disk); vLLM syncs weights through its own weight-transfer API, which tether "
+                   "does not drive")
+        if self.weight_sync_dir is not None:
+            if self._last_folder is not None and self._last_folder != folder:
+                shutil.rmtree(self._last_folder, ignore_errors=True)
+            self._last_folder = folder
+        self._count(t0, size)
+
+    def update_adapter(self, adapter: dict[str, Any], scaling: float, version: int) -> None:
+        """Push a LoRA adapter (``{"<layer>.lora_A": A [r, in], "<layer>.lora_B": B [out, r]}``, scaling s = alpha /
+        rank) as ``version``: the server then serves its base weights plus s · B @ A. Only A and B travel, in the
+        request body (``/update_lora_adapter_from_tensor``, tether serve's); returns once the server has merged it."""
+        if self._closed:
+            raise RuntimeError("RemoteEngine is closed")
+        if self.weight_sync_dir is not None:
+            raise ValueError("a LoRA adapter is pushed in the request body, not through engine.weight_sync_dir: "
+                             "unset engine.weight_sync_dir (tether serve takes the adapter in the body)")
+        t0 = time.perf_counter()
+        payload = state_bytes(adapter)
+        path = f"/update_lora_adapter_from_tensor?weight_version={version}&scaling={float(scaling)!r}"
+        request = self.client.post(path, content=payload, timeout_s=self.update_timeout_s)
+        self._push(path, request, version, "a LoRA run's adapter cannot reach it: with model.lora the rollout server "
+                   "must be `tether serve` (SGLang and vLLM load adapters by name for requests, not into the served "
+                   "model at a weight version); or train without model.lora")
+        self._count(t0, len(payload))
+
+    def _push(self, path: str, request: Coroutine[Any, Any, Any], version: int, why: str) -> None:
+        """Run a weight push; a 404 / 405 (no such endpoint) is explained with ``why``; the server must report
+        ``version``."""
         try:
             answer = self._control.run(request)
         except BadRequest as e:
             if e.status not in (404, 405):
                 raise
-            raise BadRequest(f"{e}\n  The server has no {path.partition('?')[0]} endpoint, so the learner's weights "
-                             f"cannot reach it: tether serve has both update endpoints; for SGLang set "
-                             f"engine.weight_sync_dir to a folder it can read (/update_weights_from_disk); vLLM "
-                             f"syncs weights through its own weight-transfer API, which tether does not drive",
+            raise BadRequest(f"{e}\n  The server has no {path.partition('?')[0]} endpoint, so {why}",
                              url=e.url, status=e.status, body=e.body, attempts=e.attempts) from e
         _check_update(answer, version, self.client.url_for(path))
         self._version = version
-        if self.weight_sync_dir is not None:
-            if self._last_folder is not None and self._last_folder != folder:
-                shutil.rmtree(self._last_folder, ignore_errors=True)
-            self._last_folder = folder
+
+    def _count(self, t0: float, size: int) -> None:
         with self._lock:
             self.stats["weight_updates"] += 1
             self.stats["weight_update_s"] += time.perf_counter() - t0

@@ -3,13 +3,19 @@
 Routes (every one but ``/health`` behind the bearer key when ``api_key`` is set):
 
 - ``GET /health`` — liveness, no key needed: ``{"status": "ok", "weight_version": n}``
-- ``GET /v1/models``, ``GET /v1/models/{id}`` — the one served model
+- ``GET /v1/models``, ``GET /v1/models/{id}`` — the served model and the LoRA adapters loaded (``parent``: its name)
 - ``POST /v1/chat/completions`` — messages (+ ``tools``, ``tool_choice``), streaming, ``n``, logprobs
 - ``POST /v1/completions`` — a prompt as text or token ids; token ids, logprobs and weight versions out;
   ``prompt_logprobs`` (vLLM's) scores the prompt's own tokens
 - ``POST /update_weights_from_disk`` — ``{"model_path", "weight_version"}``: safetensors from a HF folder (SGLang's)
 - ``POST /update_weights_from_tensor?weight_version=N`` — body ``safetensors.torch.save(state_dict)``, for a
   trainer on the same host
+- ``POST /update_lora_adapter_from_tensor?weight_version=N&scaling=S`` — tether's own (SGLang and vLLM have no
+  training-time adapter push): body ``safetensors.torch.save`` of a LoRA adapter's A and B by layer name
+  (``tether.serve.adapters``); the served model becomes its base plus s · B @ A as version N
+- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``, ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``
+  — vLLM's: a peft adapter folder served under ``lora_name`` (a request's ``model``) beside the base
+  (``tether.serve.adapters``: each is a merged copy of the model, at most ``max_loras``)
 - ``GET /get_weight_version``
 
 Every error answers ``{"error": {"message", "type", "param", "code"}}``: 400 a request the server cannot honour,
@@ -24,17 +30,21 @@ own the engine: whoever built it closes it (``tether.serve.server.serve`` does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import hmac
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import tether.serve.adapters as adapters
 import tether.serve.responses as responses
 import tether.serve.weights as weights
 from tether.engine.base import InferenceEngine
@@ -44,9 +54,11 @@ from tether.serve.protocol import (
     CompletionRequest,
     ErrorDetail,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PromptLogprob,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
@@ -64,7 +76,8 @@ def error_response(status: int, message: str, *, type: str | None = None, param:
 
 
 def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model: Any = None, parser: str = "hermes",
-             extra_stop_ids: tuple[int, ...] = (), api_key: str | None = None) -> FastAPI:
+             extra_stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_loras: int = 4,
+             adapter_engine: Callable[[], InferenceEngine] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``.
 
     model: the engine's torch module, for ``max_model_len``, ``top_logprobs`` and ``/update_weights_from_disk``
@@ -72,12 +85,31 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         ``engine.update_weights``.
     parser: the tool-call parser of training (``tool_parser.name``); extra_stop_ids: ``tool_parser.stop_token_ids``.
     api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    max_loras: the most LoRA adapters loaded at once through ``/v1/load_lora_adapter`` (vLLM's ``--max-loras``;
+        each costs a copy of the model); 0 = none.
+    adapter_engine: a new engine over a copy of the served model's current weights, for a loaded adapter (default:
+        a ``LocalEngine`` over ``copy.deepcopy(model)``, deterministic when ``engine`` is). The app closes these
+        engines: at unload, and when the server stops (``app.state.adapters.close()`` where no lifespan runs).
     """
     model = model if model is not None else getattr(engine, "model", None)
-    gen = Generator(engine, tokenizer, model=model, parser=parser, extra_stop_ids=extra_stop_ids)
+
+    def generator(e: InferenceEngine, m: Any) -> Generator:
+        return Generator(e, tokenizer, model=m, parser=parser, extra_stop_ids=extra_stop_ids)
+
+    gen = generator(engine, model)
+    if adapter_engine is None and model is not None:
+        adapter_engine = _local_engine_like(engine, model)
+    loras = adapters.Adapters(gen, model_name, adapter_engine, lambda e: generator(e, e.model), max_loras)
     created = int(time.time())
-    app = FastAPI(title="tether serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(loras.close)
+
+    app = FastAPI(title="tether serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.generator = gen
+    app.state.adapters = loras
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -113,10 +145,16 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+    def resolve(name: str) -> Generator:
+        """The generator of the model a request names: the served model, or a loaded LoRA adapter."""
+        if name == model_name:
+            return gen
+        loaded = loras.get(name)
+        if loaded is None:
+            also = "".join(f", {a.name!r}" for a in loras.all())
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}{also}",
                            param="model", code="model_not_found")
+        return loaded.gen
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -124,22 +162,26 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
 
     api = APIRouter(dependencies=[Depends(check_key)])
 
-    def card() -> ModelCard:
-        return ModelCard(id=model_name, created=created, max_model_len=gen.max_model_len,
-                         weight_version=engine.version)
+    def card(name: str) -> ModelCard:
+        loaded = loras.get(name)
+        if loaded is None:
+            return ModelCard(id=model_name, created=created, max_model_len=gen.max_model_len,
+                             weight_version=engine.version)
+        return ModelCard(id=name, created=loaded.created, max_model_len=gen.max_model_len,
+                         weight_version=loaded.gen.engine.version, root=loaded.path, parent=model_name)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return ModelList(data=[card()]).model_dump()
+        return ModelList(data=[card(model_name), *(card(a.name) for a in loras.all())]).model_dump()
 
     @api.get("/v1/models/{name:path}")
     async def one_model(name: str) -> dict[str, Any]:
-        check_model(name)
-        return card().model_dump()
+        resolve(name)
+        return card(name).model_dump()
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest) -> Any:
-        check_model(req.model)
+        gen = resolve(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -162,16 +204,16 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
                                   logprobs=req.logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = responses.chat_stream(view, run, ident=ident, created=now, model=model_name, prompt=prompt,
+            body = responses.chat_stream(view, run, ident=ident, created=now, model=req.model, prompt=prompt,
                                          include_usage=include_usage, return_token_ids=req.return_token_ids)
             return StreamingResponse(body, media_type="text/event-stream")
         (choices,) = await responses.gather([run])
-        return responses.chat_response(view, choices, ident=ident, created=now, model=model_name, prompt=prompt,
+        return responses.chat_response(view, choices, ident=ident, created=now, model=req.model, prompt=prompt,
                                        return_token_ids=req.return_token_ids).model_dump()
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
-        check_model(req.model)
+        gen = resolve(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported by tether serve", param="echo")
         if req.suffix:
@@ -193,7 +235,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = responses.completion_stream(gen, runs, prompts, n=req.n, ident=ident, created=now,
-                                               model=model_name, logprobs=req.logprobs,
+                                               model=req.model, logprobs=req.logprobs,
                                                return_token_ids=req.return_token_ids, include_usage=include_usage)
             return StreamingResponse(body, media_type="text/event-stream")
         scored = None  # vLLM's prompt_logprobs: a teacher scoring a student's tokens (tether.teacher)
@@ -202,7 +244,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
             scored = [[None if e is None else {i: PromptLogprob(**v) for i, v in e.items()}
                        for e in await asyncio.to_thread(gen.prompt_logprobs, p, k)] for p in prompts]
         answer = responses.completion_response(gen, await responses.gather(runs), prompts, ident=ident, created=now,
-                                               model=model_name, logprobs=req.logprobs,
+                                               model=req.model, logprobs=req.logprobs,
                                                return_token_ids=req.return_token_ids)
         for j, choice in enumerate(answer.choices if scored is not None else ()):
             choice.prompt_logprobs = scored[j // req.n]  # type: ignore[index]
@@ -225,12 +267,39 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         return UpdateWeightsResponse(success=True, weight_version=engine.version,
                                      message=f"loaded {len(state)} tensors from the request body").model_dump()
 
+    @api.post("/update_lora_adapter_from_tensor")
+    async def update_lora_from_tensor(request: Request, scaling: float = Query(),
+                                      weight_version: int | None = Query(default=None, ge=0)) -> dict[str, Any]:
+        adapter = weights.read_bytes(await request.body())
+        version = engine.version + 1 if weight_version is None else weight_version
+        await adapters.push(gen, adapter, scaling, version)
+        return UpdateWeightsResponse(success=True, weight_version=engine.version,
+                                     message=f"merged a LoRA adapter of {len(adapter) // 2} layers").model_dump()
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        await loras.load(req.lora_name, req.lora_path, replace=req.load_inplace)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")  # vLLM's answer
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        await loras.unload(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
     @api.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:
         return {"weight_version": engine.version}
 
     app.include_router(api)
     return app
+
+
+def _local_engine_like(engine: Any, model: Any) -> Callable[[], InferenceEngine]:
+    """A new LocalEngine over a copy of ``model`` (deterministic when ``engine`` is)."""
+    from tether.engine.local import LocalEngine  # noqa: PLC0415 — the app serves any engine
+
+    deterministic = bool(getattr(engine, "deterministic", False))
+    return lambda: LocalEngine(copy.deepcopy(model), deterministic=deterministic)
 
 
 def _prompts(prompt: Any, gen: Generator) -> list[list[int]]:

@@ -162,6 +162,20 @@ class UpdateWeightsFromDiskRequest(_Body):
     load_format: Literal["auto", "safetensors"] | None = None  # SGLang's field; safetensors is what is read
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's body of ``POST /v1/load_lora_adapter``."""
+
+    lora_name: Annotated[str, Field(min_length=1)]  # the ``model`` requests send to use it
+    lora_path: str  # a folder in peft's format on the server: adapter_config.json + adapter_model.safetensors
+    load_inplace: bool = False  # replace an adapter already loaded under lora_name (else 400)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's body of ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 # -------------------------------------------------------------------------------------------- responses
 
 
@@ -178,6 +192,8 @@ class ModelCard(BaseModel):
     owned_by: str = "tether"
     max_model_len: int | None = None
     weight_version: int
+    root: str | None = None  # vLLM: a LoRA adapter's folder
+    parent: str | None = None  # vLLM: the model a LoRA adapter applies to (None for the served model)
 
 
 class ModelList(BaseModel):

@@ -59,31 +59,41 @@ def read_chat_template(path: str | Path) -> str:
 
 
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
-          chat_template: str | None = None) -> tuple[FastAPI, Any]:
+          chat_template: str | None = None, max_loras: int = 4) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
-    checkpoint's own for rendering chat requests (``tether serve --chat-template``)."""
+    checkpoint's own for rendering chat requests (``tether serve --chat-template``). ``max_loras``: LoRA adapters
+    loaded at once (``/v1/load_lora_adapter``), each on a local engine of the same settings over a copy of the
+    served weights (``tether.serve.adapters``)."""
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     # the server *is* the local engine, whatever engine.type the training config rolls out with
-    engine = local_engine(model, Plan.of(cfg), cfg.engine, cfg.rollout.partial_rollout)
+    plan = Plan.of(cfg)
+    engine = local_engine(model, plan, cfg.engine, cfg.rollout.partial_rollout)
     del model  # the engine has its own copy
+
+    def adapter_engine() -> Any:  # local_engine copies the served weights (already in the served dtype)
+        return local_engine(engine.model, plan, cfg.engine, cfg.rollout.partial_rollout, engine.version)
+
     app = make_app(engine, tokenizer, model_name=model_name, parser=cfg.tool_parser.name,
-                   extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key)
+                   extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key, max_loras=max_loras,
+                   adapter_engine=adapter_engine)
     return app, engine
 
 
 def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
-          chat_template: str | None = None, log: Callable[[str], None] | None = None) -> None:
+          chat_template: str | None = None, max_loras: int = 4, log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
-    fails at once, OSError); ``api_key_env`` only names the key's variable in the start message."""
+    fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``:
+    ``build``'s."""
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     sock = bind(host, port)
     name = model_name or Path(checkpoint).name
-    app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key, chat_template=chat_template)
+    app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key, chat_template=chat_template,
+                        max_loras=max_loras)
     try:
         actual = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
