@@ -163,7 +163,8 @@ def edited(ckpt, folder, *, config: dict | None = None, rename: tuple[str, str] 
 
 
 def test_adapter_errors_name_what_is_wrong(server, ckpt, tmp_path):
-    url = server(max_loras=2).base_url
+    s = server(max_loras=2)
+    url = s.base_url
     assert load(url, "a", ckpt).status_code == 200
 
     def refused(name, path, status=400, **kw) -> str:
@@ -192,6 +193,12 @@ def test_adapter_errors_name_what_is_wrong(server, ckpt, tmp_path):
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "lora_path"
     assert greedy(url, "nope", PROMPTS[0]).status_code == 404
+    engines = [a.gen.engine for a in s.server.config.app.state.adapters.all()]
+    assert len(engines) == 2
+    s.stop()  # the app's lifespan closes the adapters' engines
+    for engine in engines:
+        with pytest.raises(RuntimeError, match="closed"):
+            asyncio.run(engine.generate(PROMPTS[0], SamplingParams(max_tokens=1)))
 
 
 def remote_of(s) -> RemoteEngine:
