@@ -88,6 +88,25 @@ def test_adapter_after_adapter_is_merged_from_the_base_and_unloading_restores_it
     assert teacher_forced_gap(base, prompts, results) <= 1e-5
 
 
+def test_a_full_weight_load_is_the_base_of_the_next_adapter(tiny_model):
+    """An adapter, then full weights (another base), then an adapter: merged onto the new base, not the first."""
+    base, _ = load_model_and_tokenizer(tiny_model)
+    peft_model, _ = adapted(tiny_model, seed=1)
+    adapter, s = lora.adapter_for_engine(peft_model), lora.scaling(peft_model)
+    new_base = {k: v + 0.01 for k, v in base.state_dict().items()}
+    model = copy.deepcopy(base)
+    key = "model.layers.0.self_attn.o_proj.weight"
+    a, b = adapter["model.layers.0.self_attn.o_proj.lora_A"], adapter["model.layers.0.self_attn.o_proj.lora_B"]
+    with LocalEngine(model) as engine:
+        engine.update_adapter(adapter, s, 1)
+        engine.update_weights(new_base, 2)
+        assert torch.equal(model.state_dict()[key], new_base[key])
+        engine.update_adapter(adapter, s, 3)
+        assert torch.equal(model.state_dict()[key], new_base[key] + s * b @ a)
+        engine.unload_adapter(4)
+        assert torch.equal(model.state_dict()[key], new_base[key])
+
+
 def test_an_adapter_on_fewer_layers_returns_the_others_to_the_base(tiny_model):
     base, _ = load_model_and_tokenizer(tiny_model)
     peft_model, _ = adapted(tiny_model, seed=1)

@@ -272,3 +272,17 @@ def test_a_remote_lora_run_samples_the_policy_and_syncs_the_adapter(server, smal
     weights = load_file(run_dir / "checkpoints" / "step_2" / "adapter_model.safetensors")
     synced = [r["perf/weight_sync_mb"] for r in rows if "perf/weight_sync_mb" in r]
     assert synced and synced[-1] == pytest.approx(sum(v.nbytes for v in weights.values()) / 2**20)
+
+
+@pytest.mark.parametrize("args, expected", [([], 4), (["--max-loras", "1"], 1)])
+def test_the_max_loras_flag_reaches_the_server(tiny_model, monkeypatch, args, expected):
+    from typer.testing import CliRunner
+
+    from tether.cli import app
+    from tether.serve import server as serve_module
+
+    seen = {}
+    monkeypatch.setattr(serve_module, "serve", lambda *a, **kw: seen.update(kw))
+    result = CliRunner().invoke(app, ["serve", tiny_model, *args])
+    assert result.exit_code == 0, result.output
+    assert seen["max_loras"] == expected

@@ -359,6 +359,9 @@ def serve(
         "--chat-template", metavar="FILE", help="A Jinja chat template file that renders chat requests instead of "
                                                 "the checkpoint's own (vLLM's option). A policy reads prompts as it "
                                                 "was trained on them: check with `tether verify consistency`.")] = None,
+    max_loras: Annotated[int, typer.Option(
+        "--max-loras", min=0, help="LoRA adapters loaded at once through /v1/load_lora_adapter (vLLM's option); "
+                                   "each is served from a copy of the model's weights.")] = 4,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 
@@ -381,7 +384,7 @@ def serve(
         raise fail(str(e)) from None
     try:
         server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
-                     api_key_env=api_key_env, chat_template=template)
+                     api_key_env=api_key_env, chat_template=template, max_loras=max_loras)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

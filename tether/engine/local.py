@@ -214,8 +214,22 @@ class LocalEngine:
         """Load ``state_dict`` (all or some of the model's keys) at the next step boundary.
 
         Blocks until the worker has copied the weights in (at most one step), so the caller may reuse
-        or modify its tensors afterwards, and every token sampled later carries ``version``.
+        or modify its tensors afterwards, and every token sampled later carries ``version``. The weights loaded
+        are the new base of a later ``update_adapter``.
         """
+        self._load(state_dict, version)
+        self._adapters.forget(state_dict)
+
+    def update_adapter(self, adapter: dict[str, torch.Tensor], scaling: float, version: int) -> None:
+        """Serve the base model plus a LoRA adapter (A, B by layer name; ``tether.engine.lora``) as ``version``: the
+        adapter is merged into a copy of the base weights and loaded as ``update_weights`` loads weights."""
+        self._load(self._adapters.merged(adapter, scaling), version)
+
+    def unload_adapter(self, version: int) -> None:
+        """Serve the base model again (the weights an adapter replaced) as ``version``."""
+        self._load(self._adapters.base(), version)
+
+    def _load(self, state_dict: dict[str, Any], version: int) -> None:
         update = _Update(state_dict, version)
         with self._cv:
             if self._closed:
@@ -225,15 +239,6 @@ class LocalEngine:
         update.done.wait()
         if update.error is not None:
             raise update.error
-
-    def update_adapter(self, adapter: dict[str, torch.Tensor], scaling: float, version: int) -> None:
-        """Serve the base model plus a LoRA adapter (A, B by layer name; ``tether.engine.lora``) as ``version``: the
-        adapter is merged into a copy of the base weights and loaded as ``update_weights`` loads weights."""
-        self.update_weights(self._adapters.merged(adapter, scaling), version)
-
-    def unload_adapter(self, version: int) -> None:
-        """Serve the base model again (the weights an adapter replaced) as ``version``."""
-        self.update_weights(self._adapters.base(), version)
 
     def set_num_threads(self, n: int) -> None:
         """The worker's torch threads from its next step on (e.g. half the cores when a learner computes beside it)."""

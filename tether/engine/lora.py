@@ -3,8 +3,9 @@
 An adapter arrives as ``{"<layer>.lora_A": A [r, in], "<layer>.lora_B": B [out, r], ...}`` keyed by the base model's
 own layer names (``tether.learner.lora.adapter_for_engine``) with the scaling s = alpha / rank. ``AdapterMerge``
 keeps a copy of the base weights of the layers an adapter touches (taken the first time, before any adapter is
-merged) and forms each merged weight from that copy, so adapter after adapter never accumulates rounding, and
-``base()`` gives the base weights back (unloading an adapter).
+merged; weights loaded as they are, a full weight sync, replace it: ``forget``) and forms each merged weight from
+that copy, so adapter after adapter never accumulates rounding, and ``base()`` gives the base weights back
+(unloading an adapter).
 
 Merged, not unmerged: the engine's fast path runs one matmul per projection (q, k, v fused; gate, up fused); an
 unmerged adapter adds two low-rank matmuls per projection to every decode step, while merging costs one
@@ -60,6 +61,11 @@ class AdapterMerge:
         for key, base in self._base.items():
             out.setdefault(key, base)
         return out
+
+    def forget(self, weights: dict[str, Any]) -> None:
+        """``weights`` were loaded as they are (a full weight sync): they are the base of the next adapter."""
+        for key in weights:
+            self._base.pop(key, None)
 
     def base(self) -> dict[str, torch.Tensor]:
         """The base weights of every layer an adapter has touched (empty before the first adapter)."""
