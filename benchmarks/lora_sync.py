@@ -6,8 +6,8 @@ the served weights by the server), else the whole state dict (``update_weights``
 Both through a real ``tether serve`` app (uvicorn in this process, loopback HTTP, a ``LocalEngine``), on two shapes
 built from a config in code (random weights; nothing is downloaded):
 
-- ``demo``: the tiny preset's shape (``TINY_DEFAULTS``: 4 layers, hidden 256, MLP 768), the demo's model;
-- ``wide``: the same with hidden size and MLP ×4 (1024, 3072).
+- ``demo``: the demo's model's shape (the tiny-sft preset, ``Recipe().model``: 4 layers, hidden 128, MLP 384);
+- ``wide``: the same with hidden size and MLP ×4 (512, 1536).
 
 LoRA: rank 16, the default targets (q, k, v, o, gate, up, down), alpha 32. A sync is timed from the call to the
 server's answer (serialisation, HTTP, the server's check, merge and load, the engine's swap at a step boundary); the
@@ -35,9 +35,11 @@ from tether.learner.model import TINY_DEFAULTS, TINY_VOCAB_SIZE, cast_copy
 from tether.learner.tiny import builtin_corpus, train_tokenizer
 from tether.llm import LLMClient
 from tether.serve import ServerThread, make_app
+from tether.warmstart.tiny_sft import Recipe
 
-SHAPES = {"demo": {}, "wide": {"hidden_size": 4 * TINY_DEFAULTS["hidden_size"],
-                               "intermediate_size": 4 * TINY_DEFAULTS["intermediate_size"]}}
+DEMO = Recipe().model  # the demo's model: tiny-sft's shape
+SHAPES = {"demo": DEMO, "wide": {**DEMO, "hidden_size": 4 * DEMO["hidden_size"],
+                                 "intermediate_size": 4 * DEMO["intermediate_size"]}}
 MiB = 1 << 20
 
 
