@@ -324,6 +324,16 @@ REGISTRY: list[Figure] = [
            "the demo's model and one 4× wider, synthetic batches of the demo's shape (printed table below)",
            "python benchmarks/trainer_ranks.py", last_line("2 ranks ÷ 1 rank"), 15, quick="--steps 1 --models demo",
            block=block_from("model")),
+    Figure("lora-learning", "the demo's RL phase (16 steps from tiny-sft) with `model.lora` (rank 16, lr 5e-4) vs full "
+           "fine-tuning (lr 8e-5), 3 seeds each; the trained adapter in the engine vs peft's forward",
+           "python benchmarks/lora_learning.py", last_line("LoRA r="), 6, quick="--seeds 0",
+           block=block_from("seed 0")),
+    Figure("lora-merge", "LoRA in the engine merged (once per sync) vs unmerged (low-rank products every decode step), "
+           "the demo's shape and 4× wider, 1 thread (printed table below)", "python benchmarks/lora_merge.py",
+           last_line("merged: "), 1, block=block_from("demo (")),
+    Figure("lora-sync", "weight sync through `tether serve` (RemoteEngine → server), LoRA rank 16 vs full weights, the "
+           "demo's shape and 4× wider (printed table below)", "python benchmarks/lora_sync.py",
+           last_line("full weights / LoRA"), 0.5, block=block_from("shape")),
 ]
 
 

@@ -109,8 +109,19 @@ def main() -> None:
         print(f"sync bytes full / LoRA: {full / statistics.median(r['sync_mb'] for r in lora_rows):.1f}x")
     ckpt = lora_rows[-1]["run_dir"] / "checkpoints" / f"step_{args.steps}"
     print(f"behaviour logprobs vs a teacher-forced float32 forward, 8 x 48 sampled tokens, adapter of {ckpt}:")
-    for label, (gap, top) in engine_vs_peft(str(sft), ckpt).items():
+    gaps = engine_vs_peft(str(sft), ckpt)
+    for label, (gap, top) in gaps.items():
         print(f"  {label:>34}: max |dlogp| {gap:.2e} (largest |logit| {top:.1f})")
+    lora_gain = statistics.mean(r["after"] - r["before"] for r in lora_rows)
+    line = (f"LoRA r={args.rank}: mean held-out gain {100 * lora_gain:+.1f} points over {len(args.seeds)} seeds in "
+            f"{args.steps} steps")
+    if "full fine-tuning" in table:
+        full_rows = table["full fine-tuning"]
+        line += (f" vs full fine-tuning {100 * statistics.mean(r['after'] - r['before'] for r in full_rows):+.1f}; "
+                 f"sync {statistics.median(r['sync_mb'] for r in lora_rows):.2f} vs "
+                 f"{statistics.median(r['sync_mb'] for r in full_rows):.2f} MiB")
+    floor, unmerged = gaps["base engine vs the base (floor)"][0], gaps["adapter engine vs peft, unmerged"][0]
+    print(f"{line}; engine vs peft max |dlogp| {unmerged:.1e} (the base engine's own: {floor:.1e})")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    shares: list[float] = []
+    pays: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
         for label, shape in SHAPES.items():
             path = build_tiny(Path(tmp) / label.split()[0], corpus=example_texts(100), **shape)
@@ -105,9 +107,14 @@ def main() -> None:
                 for rows in args.batch:
                     step = decode_step_s(engine, prompt, rows, args.tokens)
                     extra = lowrank_s(model, adapter, rows)
+                    shares.append(extra / step)
+                    pays.append(merge / extra)
                     print(f"  {rows:>3} rows: merged decode step {1e3 * step:.2f} ms; unmerged adds >= "
                           f"{1e3 * extra:.2f} ms ({100 * extra / step:.0f} %); merging pays off after "
                           f"{merge / extra:.1f} decode steps per sync")
+
+    print(f"merged: unmerged would add >= {100 * min(shares):.0f}-{100 * max(shares):.0f} % to every decode step; "
+          f"merging pays off after {min(pays):.0f}-{max(pays):.0f} decode steps per sync")
 
 
 if __name__ == "__main__":

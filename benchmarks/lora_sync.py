@@ -109,6 +109,9 @@ def main() -> None:
               f"{r['full_s'] / r['lora_s']:>6.1f}× | {r['lora_body'] / MiB:>9.2f}M {r['full_body'] / MiB:>9.2f}M")
     print(f"\nMiB: the tensors' bytes (perf/weight_sync_mb); body: the HTTP request's (safetensors, header included). "
           f"Wall {time.perf_counter() - t0:.0f} s.")
+    print("full weights / LoRA per sync through tether serve: " + "; ".join(
+        f"{shape} {r['full_bytes'] / r['lora_bytes']:.1f}x the bytes, {r['full_s'] / r['lora_s']:.1f}x the time "
+        f"({1e3 * r['full_s']:.0f} vs {1e3 * r['lora_s']:.0f} ms)" for shape, r in rows.items()))
 
 
 if __name__ == "__main__":
