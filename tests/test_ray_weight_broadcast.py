@@ -144,6 +144,9 @@ def test_after_every_broadcast_the_rollout_engine_holds_the_trainers_weights(clu
         assert _same_as_trainer(store_loads[f"object_store_v{v}_t{v}"], _checkpoint(store_dir, v)) == 0.0
         assert _same_as_trainer(loads[f"broadcast_v{v}_t{v}"], store_loads[f"object_store_v{v}_t{v}"]) < 1e-5
     nccl, store = read_rows(nccl_dir), read_rows(store_dir)
+    for name, rows in (("nccl (gloo on CPU)", nccl), ("object_store", store)):
+        print(f"weight sync per step, {name}: " + ", ".join(
+            f"{r['perf/weight_sync_mb']:.3f} MiB in {r['perf/weight_sync_s']:.3f} s" for r in rows[1:]))
     assert [r["step"] for r in nccl] == [r["step"] for r in store] == [0, 1, 2, 3]
     assert [r.get("ray/weight_group_joins", 0) for r in nccl] == [0, 1, 0, 0]  # one group, made at the first sync
     assert all("ray/weight_group_joins" not in r for r in store)
