@@ -110,17 +110,10 @@ class RunConfig(Section):
         return self
 
     def _lora_alone(self) -> None:
-        """``model.lora`` is built for one plain learner process with a local engine; the layouts that shard, spawn
-        or send the model elsewhere are refused with it, naming both keys."""
+        """``model.lora`` trains with every trainer layout (plain, FSDP2, several ranks) and engine; what is refused
+        with it names both keys."""
         if self.model.lora is None:
             return
-        aw = self.actor_worker
-        for ok, key, value in (  # several trainer ranks need fsdp2 (checked above): refused with it
-            (aw.strategy not in ("fsdp", "fsdp2"), "actor_worker.strategy", aw.strategy),
-        ):
-            _check(ok, f"model.lora is not supported yet with {key}: {value} (the adapter is trained in one plain "
-                       f"learner process with a local engine); remove model.lora or set {key} back to its default",
-                   **{"model.lora.rank": self.model.lora.rank, key: value})
         _check(self.engine.weight_sync_dir is None, "model.lora pushes the adapter to a remote engine in the request "
                "body (tether serve's /update_lora_adapter_from_tensor), not through a folder: unset "
                "engine.weight_sync_dir or remove model.lora",

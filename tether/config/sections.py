@@ -157,9 +157,9 @@ class ModelConfig(Section):
     weights. ``tether eval`` and ``tether serve`` load the model in this dtype."""
     lora: LoraConfig | None = None
     """Train a low-rank adapter instead of the full weights (any key of the section turns it on: ``model.lora:
-    {}`` or ``--set model.lora.rank=8``); None (the default) = full fine-tuning. One plain learner process only:
-    refused at load with ``actor_worker.strategy: fsdp``/``fsdp2`` and several trainer ranks, which are not built with
-    it yet, and with ``engine.weight_sync_dir`` (``backend: ray`` syncs the adapter alone to the rollouter;
+    {}`` or ``--set model.lora.rank=8``); None (the default) = full fine-tuning. With ``actor_worker.strategy:
+    fsdp2`` and several trainer ranks the base is sharded with the adapter inside it and a sync gathers the adapter
+    alone. Refused at load with ``engine.weight_sync_dir`` (``backend: ray`` syncs the adapter alone to the rollouter;
     ``engine.type: remote`` pushes it alone to ``tether serve`` in the request body, ``tether.serve.adapters``).
     Checkpoints hold the adapter in peft's format (``tether export CKPT --merge`` writes merged weights)."""
 

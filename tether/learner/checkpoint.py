@@ -48,6 +48,7 @@ import shutil
 import uuid
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,20 +91,31 @@ def save_checkpoint(path: str | os.PathLike, learner: Learner, tokenizer: Any,
     _check_plain(extra, "extra")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
-    return _finish_save(path, tmp, lambda: fsdp.unsharded(learner.model), learner, fsdp.optimizer_state(learner),
-                        tokenizer, extra)
+    write = _model_writer(learner)
+    return _finish_save(path, tmp, write, learner, fsdp.optimizer_state(learner), tokenizer, extra)
 
 
 def save_sharded_checkpoint(path: str | os.PathLike, tmp: str | os.PathLike, learner: Learner, tokenizer: Any,
                             extra: dict[str, Any] | None = None) -> Path | None:
     """Every rank of a sharded learner at once (collectives): each writes its shards of the weights and AdamW state
     into ``tmp/shards``, then rank 0 the consolidated weights, tokenizer and trainer state, and renames ``tmp`` to
-    ``path``; returns ``path`` on rank 0 (None on the others). ``tmp``: ``temp_dir(path)``, the same on every rank."""
+    ``path``; returns ``path`` on rank 0 (None on the others). ``tmp``: ``temp_dir(path)``, the same on every rank.
+
+    ``model.lora``: no shards. The adapter and its AdamW state are gathered whole (megabytes: every rank takes part,
+    rank 0 keeps them) and written as one rank writes them (peft's format, the moments keyed by parameter name), so
+    any number of ranks, or a plain learner, resumes it; the frozen base is never gathered."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 — only sharded learners save this way
 
     path, tmp, lead = Path(path), Path(tmp), learner.ranks.rank == 0
     extra = dict(extra or {})
     _check_plain(extra, "extra")
+    if learner.lora_scaling is not None:
+        write = _model_writer(learner)  # gathers the adapter
+        optimizer_state = fsdp.optimizer_state(learner)  # gathers its AdamW state
+        if not lead:
+            return None
+        tmp.mkdir(parents=True, exist_ok=True)
+        return _finish_save(path, tmp, write, learner, optimizer_state, tokenizer, extra)
     (tmp / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     try:
         dcp.save(_dcp_state(learner), checkpoint_id=tmp / SHARDS_DIR)  # ends when every rank has written
@@ -115,7 +127,19 @@ def save_sharded_checkpoint(path: str | os.PathLike, tmp: str | os.PathLike, lea
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     optimizer = {**learner.optimizer.state_dict(), "optimizer": None}  # the moments are in the shards
-    return _finish_save(path, tmp, lambda: fsdp.unsharded(learner.model), learner, optimizer, tokenizer, extra)
+    return _finish_save(path, tmp, _model_writer(learner), learner, optimizer, tokenizer, extra)
+
+
+def _model_writer(learner: Learner) -> Callable[[Path], None]:
+    """What writes the model's files into a folder: ``save_pretrained`` of the whole weights (gathered when the writer
+    runs), or with ``model.lora`` the adapter in peft's format (gathered now: every rank calls this)."""
+    model = learner.model
+    if learner.lora_scaling is None:
+        return lambda folder: fsdp.unsharded(model).save_pretrained(folder)
+    from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+    weights = lora.adapter_state_dict(model)
+    return lambda folder: lora.save_adapter(model, folder, weights)
 
 
 def _dcp_state(learner: Learner) -> dict[str, Any]:
@@ -127,12 +151,12 @@ def _dcp_state(learner: Learner) -> dict[str, Any]:
     return {"model": model, "optim": optim}
 
 
-def _finish_save(path: Path, tmp: Path, whole_model: Any, learner: Learner, optimizer: dict[str, Any], tokenizer: Any,
-                 extra: dict[str, Any]) -> Path:
-    """Write the consolidated weights (``whole_model()``), tokenizer and trainer state into ``tmp`` and rename it to
+def _finish_save(path: Path, tmp: Path, write_model: Callable[[Path], None], learner: Learner,
+                 optimizer: dict[str, Any], tokenizer: Any, extra: dict[str, Any]) -> Path:
+    """Write the consolidated weights (``write_model(tmp)``), tokenizer and trainer state into ``tmp`` and rename it to
     ``path``; a failure removes ``tmp`` (a full disk is said as one)."""
     try:
-        whole_model().save_pretrained(tmp)  # FSDP2: the whole weights; model.lora: the adapter (peft's format)
+        write_model(tmp)  # FSDP2: the whole weights; model.lora: the adapter (peft's format)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         state = {
@@ -312,7 +336,7 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
             weights.update(load_file(f))
         except Exception as e:  # noqa: BLE001 — SafetensorError, OSError: all mean "this file is unusable"
             raise CorruptCheckpoint(_corrupt(path, f"{f} cannot be read ({_first_line(e)})")) from e
-    if isinstance(model, fsdp.FSDPModule):  # each rank keeps its shards of the whole weights
+    if fsdp.is_sharded(model):  # each rank keeps its shards of the whole weights
         return fsdp.load_weights(model, weights)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # save_pretrained leaves out a tied parameter (lm_head = embed_tokens); anything else missing is an error.

@@ -53,7 +53,7 @@ from tether.config.actor import ActorWorkerConfig
 from tether.config.policy import PolicyOptimConfig
 from tether.config.sections import LearnerConfig
 from tether.config.teacher import TeacherConfig
-from tether.learner.learner import Learner
+from tether.learner.learner import Learner, sharded
 from tether.learner.ranks import Ranks, full_tensor
 
 STRATEGIES = ("fsdp", "fsdp2")  # the values of actor_worker.strategy that shard with fully_shard
@@ -130,16 +130,35 @@ def sharded_learner(model: Any, ranks: Ranks, lc: LearnerConfig, po: PolicyOptim
     sharded over ``ranks`` by ``shard_model``; ``param_dtype``: their forward and backward's (``model.dtype``), the
     parameters as given (float32 in a run) the master weights.
 
+    A peft LoRA model (``model.lora``: wrapped before this) has its base model sharded with the adapter inside each
+    unit, rank 0's adapter initialisation broadcast first (each rank drew its own A), and no reference copy: the
+    reference is the policy with the adapter off, on the same shards.
+
     Call it on every rank with the same model weights; the model is sharded in place."""
     param_dtype = None if param_dtype == torch.float32 else param_dtype
     ref: Any = None
-    if po.kl_control.type != "none":
-        ref = shard_model(copy.deepcopy(model).requires_grad_(False), param_dtype=param_dtype)
-    learner = Learner(shard_model(model, param_dtype=param_dtype), ref, lc, po, temperature=temperature,
-                      max_response_tokens=max_response_tokens, teacher=teacher, worker=worker,
-                      compute_dtype=param_dtype)
+    if hasattr(model, "get_base_model"):  # model.lora
+        if ranks.sharded:
+            _broadcast_trainable(model)
+        shard_model(model.get_base_model(), param_dtype=param_dtype)
+    else:
+        if po.kl_control.type != "none":
+            ref = shard_model(copy.deepcopy(model).requires_grad_(False), param_dtype=param_dtype)
+        shard_model(model, param_dtype=param_dtype)
+    learner = Learner(model, ref, lc, po, temperature=temperature, max_response_tokens=max_response_tokens,
+                      teacher=teacher, worker=worker, compute_dtype=param_dtype)
     learner.ranks = ranks
     return learner
+
+
+def _broadcast_trainable(model: torch.nn.Module) -> None:
+    """Rank 0's values of the parameters that require gradients (a LoRA adapter's random A) on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    for p in model.parameters():
+        if p.requires_grad:
+            buf = p.data.to(device or p.device, copy=True)
+            dist.broadcast(buf, src=0)
+            p.data.copy_(buf)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -177,18 +196,20 @@ def _free_port() -> int:
 
 
 def is_sharded(model: Any) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether ``model`` is sharded by ``shard_model``; a peft LoRA model when its base model is."""
+    return sharded(model)
 
 
-def unsharded(model: Any) -> Any:
+def unsharded(model: Any, weights: dict[str, torch.Tensor] | None = None) -> Any:
     """``model`` itself, or for a sharded one a plain copy of its class with the whole weights (a collective), for
-    ``save_pretrained`` and an engine of its own."""
-    if not is_sharded(model):
+    ``save_pretrained`` and an engine of its own. ``weights``: the whole weights to put in the copy instead of the
+    model's own (``lora.merged_copy``'s merged ones: ``model`` is then a sharded peft model's base)."""
+    if not is_sharded(model) or hasattr(model, "get_base_model"):  # a plain model; a peft one: lora.merged_copy
         return model
     cls: Any = next(c for c in type(model).__bases__ if not issubclass(c, FSDPModule))  # FSDP<cls> → cls
     with torch.device("meta"):
         plain = cls(model.config)
-    plain.load_state_dict(full_state_dict(model), assign=True)
+    plain.load_state_dict(full_state_dict(model) if weights is None else weights, assign=True)
     for name, buf in model.named_buffers():  # non-persistent buffers (rotary frequencies) are not in a state dict
         owner, _, leaf = name.rpartition(".")
         plain.get_submodule(owner).register_buffer(leaf, buf.detach().cpu().clone(), persistent=False)
@@ -206,17 +227,21 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 
 
 def optimizer_state(learner: Learner) -> dict[str, Any]:
-    """``PolicyOptimizer.state_dict()``, with a sharded model's AdamW state whole and keyed by parameter name."""
+    """``PolicyOptimizer.state_dict()``, with AdamW's state whole and keyed by parameter name for a sharded model and
+    for a LoRA one (whose checkpoint any layout resumes: ``load_optimizer_state``)."""
     state = learner.optimizer.state_dict()
-    if isinstance(learner.model, FSDPModule):
+    if is_sharded(learner.model) or learner.lora_scaling is not None:
         state["optimizer"] = get_optimizer_state_dict(learner.model, learner.optimizer.optimizer,
                                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state
 
 
 def load_optimizer_state(learner: Learner, state: dict[str, Any]) -> None:
-    """The inverse of ``optimizer_state``."""
-    if isinstance(learner.model, FSDPModule):
+    """The inverse of ``optimizer_state``: a state keyed by parameter name into any layout (plain or sharded over
+    any number of ranks); one keyed by position into the plain layout it was saved from."""
+    groups = state["optimizer"].get("param_groups") or [{}]
+    by_name = any(isinstance(p, str) for p in groups[0].get("params", []))
+    if by_name or is_sharded(learner.model):
         set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         state = {**state, "optimizer": learner.optimizer.optimizer.state_dict()}

@@ -95,7 +95,8 @@ class _Commands:
     """What each command does on one rank, rank 0 and the others alike (their results are used on rank 0 only)."""
 
     NAMES = frozenset({"hello", "train_step", "skip_step", "begin_step", "add_trajectories", "finish_step",
-                       "gather", "on_sync", "on_push", "save_checkpoint", "load_checkpoint", "unsharded_model"})
+                       "gather", "merged", "adapter", "on_sync", "on_push", "save_checkpoint", "load_checkpoint",
+                       "unsharded_model"})
 
     def __init__(self, learner: Learner):
         ranks = learner.ranks
@@ -140,6 +141,18 @@ class _Commands:
                 out[name] = engine_copy(whole, dtype)
         return out
 
+    def merged(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``model.lora``: the base's whole weights with the adapter merged in (``Learner.state_dict_for_engine``), on
+        rank 0; every rank gathers alike."""
+        out = self.learner.state_dict_for_engine(dtype)
+        return out if self.lead else {}
+
+    def adapter(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``model.lora``: the adapter's whole A and B (``Learner.adapter_for_engine``), on rank 0; the base is not
+        gathered."""
+        out = self.learner.adapter_for_engine(dtype)
+        return out if self.lead else {}
+
     def on_sync(self, version: int) -> None:
         self.learner.worker.on_sync(version)  # DetachActorWorker: each rank keeps its own shards
 
@@ -158,6 +171,13 @@ class _Commands:
         return load_checkpoint(path, self.learner)  # every rank reads the files and keeps its shards
 
     def unsharded_model(self) -> Any:
+        if self.learner.lora_scaling is not None:  # model.lora: the adapter merged in (gathered on every rank)
+            from tether.learner import lora  # noqa: PLC0415 — peft, with model.lora only
+
+            if self.lead:
+                return lora.merged_copy(self.learner.model)
+            lora.merged_state_dict(self.learner.model)  # merged_copy's only collectives
+            return None
         if self.lead:
             return fsdp.unsharded(self.learner.model)
         fsdp.full_state_dict(self.learner.model)  # unsharded's only collective
@@ -302,6 +322,11 @@ class LearnerGroup:
     def streams(self) -> bool:
         return self.learner.streams
 
+    @property
+    def lora_scaling(self) -> float | None:
+        """``model.lora``'s alpha / rank (None: full weights): a weight sync sends ``adapter_for_engine``."""
+        return self.learner.lora_scaling
+
     # -- commands ----------------------------------------------------------------------------------------
     def train_step(self, trajectories: Sequence[Trajectory],
                    advantages: Sequence[float] | torch.Tensor) -> dict[str, float]:
@@ -328,12 +353,27 @@ class LearnerGroup:
         self._call("on_push", param_version)
 
     def state_dict_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The whole weights on rank 0 (``Learner.state_dict_for_engine``), gathered in one command."""
+        """The whole weights on rank 0 (``Learner.state_dict_for_engine``; ``model.lora``: merged), in one command."""
+        if self.lora_scaling is not None:
+            return self._call("merged", dtype)
         return self._call("gather", list(self.learner.model.state_dict()), dtype)
+
+    def adapter_for_engine(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``model.lora``: the adapter's A and B on rank 0 (``Learner.adapter_for_engine``), gathered in one command:
+        what a weight sync sends (``WeightSync.push``, rank 0 to the engine)."""
+        if self.lora_scaling is None:
+            raise ValueError("adapter_for_engine: this learner trains full weights (model.lora is not set)")
+        return self._call("adapter", dtype)
 
     def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """``Learner.weight_buckets``: one command per bucket, so rank 0 holds one gathered bucket beside its shards
-        while a consumer sends and drops each (``RolloutHandle.update_weights_from_buckets``)."""
+        while a consumer sends and drops each (``RolloutHandle.update_weights_from_buckets``). ``model.lora``: the
+        merged weights, computed whole in one command, then cut."""
+        if self.lora_scaling is not None:
+            merged = self.state_dict_for_engine(dtype)
+            for names in cut_buckets(merged, bucket_bytes):
+                yield {k: merged[k] for k in names}
+            return
         for names in cut_buckets(self.learner.model.state_dict(), bucket_bytes):
             yield self._call("gather", names, dtype)
 

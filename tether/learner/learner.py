@@ -74,7 +74,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -133,7 +133,7 @@ class Learner:
         self.model = model
         self.compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
         # the dtype the forwards autocast to: None when FSDP2's mixed-precision policy casts the parameters itself
-        self.autocast = None if isinstance(model, FSDPModule) else self.compute_dtype
+        self.autocast = None if sharded(model) else self.compute_dtype
         self.batch_size = lc.batch_size
         self.mini_batch_size = lc.mini_batch_size
         self.gradient_accumulation_steps = lc.gradient_accumulation_steps
@@ -383,6 +383,13 @@ def engine_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor
     if dtype is None or not tensor.is_floating_point():
         return tensor.detach().clone()
     return tensor.detach().to(dtype, copy=True)
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``tether.learner.fsdp.shard_model``); a peft LoRA model when its base
+    model is (the base is what is sharded: ``fsdp.sharded_learner``)."""
+    base: Any = getattr(model, "get_base_model", lambda: model)()
+    return isinstance(base, FSDPModule)
 
 
 def _lora_scaling(model: torch.nn.Module) -> float | None:

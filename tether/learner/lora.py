@@ -13,6 +13,12 @@ What leaves the learner is keyed by the base model's own module names (peft's ``
     merged_state_dict(model)   the base's state dict with every adapter merged in (the full-weights paths)
 
 The KL reference is the same model with the adapter switched off (``reference``): no second copy of the weights.
+
+Sharded (``actor_worker.strategy: fsdp2``, ``tether.learner.fsdp.sharded_learner``): the model is wrapped first, then
+``fully_shard`` shards the base model's decoder layers and root with the adapter inside them (FSDP2 holds frozen and
+trainable parameters in one unit; only the adapter's gradients are reduced). Every function here that reads weights
+gathers the whole tensors first (``full_tensor``: a collective, so every rank calls it, in the same order), and
+``adapter_state_dict`` gathers the adapter alone, in peft's names, for a checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from tether.config.sections import LoraConfig
+from tether.learner.ranks import full_tensor
 
 ADAPTER = "default"  # peft's name of the one adapter
 _PREFIX = "base_model.model."  # what peft puts before the base model's parameter names
@@ -66,7 +73,7 @@ def adapter_for_engine(model: Any, dtype: torch.dtype | None = None) -> dict[str
     out = {}
     for name, layer in _layers(model):
         for part, weights in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
-            w = weights[ADAPTER].weight.detach()
+            w = full_tensor(weights[ADAPTER].weight.detach())  # sharded: gathered (every rank, the same order)
             out[f"{name}.{part}"] = w.to(dtype, copy=True) if dtype is not None else w.clone()
     return out
 
@@ -74,22 +81,38 @@ def adapter_for_engine(model: Any, dtype: torch.dtype | None = None) -> dict[str
 def merged_state_dict(model: Any, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own names) with W + s · B @ A in place of every adapted W, computed in
     float32 then cast to ``dtype``: what the paths that move whole weights (an evaluation engine of the trainer's own,
-    ``backend: ray``'s buckets) send. A copy: training goes on without changing it."""
+    ``backend: ray``'s buckets) send. A copy: training goes on without changing it. Sharded: gathered first (every
+    rank calls it)."""
     s = scaling(model)
-    deltas = {f"{name}.weight": (layer.lora_B[ADAPTER].weight.detach().float()
-                                 @ layer.lora_A[ADAPTER].weight.detach().float()) * s
-              for name, layer in _layers(model)}
+    state = {k: full_tensor(v.detach()) for k, v in model.state_dict().items()}
+    deltas = {}
+    for name, _ in _layers(model):
+        peft_name = _PREFIX + name
+        b, a = (state[f"{peft_name}.lora_{part}.{ADAPTER}.weight"].float() for part in ("B", "A"))
+        deltas[f"{name}.weight"] = (b @ a) * s
     out = {}
-    for key, value in model.state_dict().items():
+    for key, value in state.items():
         if ".lora_" in key:
             continue
         name = key.removeprefix(_PREFIX).replace(".base_layer.", ".")
-        v = value.detach()
+        v = value
         if name in deltas:
             v = v.float() + deltas[name]  # a new tensor
         to = dtype if dtype is not None and v.is_floating_point() else value.dtype
         out[name] = v.to(to, copy=True)
     return out
+
+
+def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's whole tensors under the model's own (peft) state-dict names, on the CPU: what ``save_adapter``
+    writes. Sharded: gathered (every rank calls it); the base is not gathered."""
+    return {k: full_tensor(v.detach()).cpu() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def save_adapter(model: Any, folder: str | Path, weights: dict[str, torch.Tensor]) -> None:
+    """``weights`` (``adapter_state_dict``) in peft's format into ``folder``: ``adapter_config.json`` naming the base
+    and ``adapter_model.safetensors`` (``PeftModel.from_pretrained(base, folder)`` loads it)."""
+    model.save_pretrained(str(folder), state_dict=weights)
 
 
 @contextlib.contextmanager
@@ -107,7 +130,13 @@ def reference(model: Any) -> Iterator[Any]:
 
 def merged_copy(model: Any) -> Any:
     """A plain model (the base's class) with the adapter merged into a copy of its weights: ``tether export --merge``
-    and what needs the trained policy as an ordinary model."""
+    and what needs the trained policy as an ordinary model. Sharded: built from the gathered ``merged_state_dict``
+    (every rank calls it; ``fsdp.unsharded``'s plain copy)."""
+    from tether.learner import fsdp  # noqa: PLC0415 — fsdp imports the learner, which imports this module lazily
+
+    base = model.get_base_model()
+    if fsdp.is_sharded(base):
+        return fsdp.unsharded(base, merged_state_dict(model))
     return copy.deepcopy(model).merge_and_unload()
 
 
@@ -126,17 +155,25 @@ def base_of(folder: str | Path) -> str:
 
 
 def load_adapter_weights(model: Any, folder: str | Path) -> None:
-    """The adapter saved in ``folder`` into ``model``'s (same targets and rank; a mismatch is an error)."""
-    from peft.utils import set_peft_model_state_dict  # noqa: PLC0415 — only on resume
-    from safetensors.torch import load_file  # noqa: PLC0415
+    """The adapter saved in ``folder`` into ``model``'s (same targets and rank; a mismatch is an error). Sharded: each
+    rank reads the whole file and keeps its shards."""
+    from safetensors.torch import load_file  # noqa: PLC0415 — only on resume
+
+    from tether.learner import fsdp  # noqa: PLC0415 — as in merged_copy
 
     weights = load_file(str(Path(folder, "adapter_model.safetensors")))
-    result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER)
-    unexpected = list(getattr(result, "unexpected_keys", []))
-    missing = [k for k in getattr(result, "missing_keys", []) if ".lora_" in k]
+    ours = {k.replace(f".{ADAPTER}.", "."): k for k in model.state_dict() if ".lora_" in k}  # saved name → ours
+    missing, unexpected = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
     if unexpected or missing:
         raise ValueError(f"{folder}: the adapter does not match the model.lora of this run (missing {missing}, "
                          f"unexpected {unexpected})")
+    named = {ours[k]: v for k, v in weights.items()}
+    if fsdp.is_sharded(model):
+        fsdp.load_weights(model, named)
+        return
+    result = model.load_state_dict(named, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{folder}: unexpected adapter weights {result.unexpected_keys}")
 
 
 def load_merged(folder: str | Path, dtype: torch.dtype) -> Any:
