@@ -85,6 +85,37 @@ def cluster():
         ray.shutdown()
 
 
+def train_on_ray_killing_the_rollouter(cfg, run_dir: Path, ready, timeout_s: float = 500) -> dict:
+    """``train_on_ray(cfg, run_dir)`` while a thread kills the rollouter actor (Ray restarts it, as after a lost node)
+    the first time, once step 1 is logged, its ``stats()`` satisfy ``ready``; returns those stats ({} if never)."""
+    import threading
+    import time
+
+    import ray
+
+    from tether.distributed.ray_backend import train_on_ray
+
+    actors: dict = {}
+    killed: dict = {}
+
+    def kill() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "rollout" in actors and (run_dir / "metrics.jsonl").is_file() and len(read_rows(run_dir)) >= 2:
+                stats = ray.get(actors["rollout"].stats.remote())
+                if ready(stats):
+                    killed.update(stats)
+                    ray.kill(actors["rollout"], no_restart=False)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    train_on_ray(cfg, run_dir, show_progress=False, on_start=actors.update)
+    killer.join(timeout=5)
+    return killed
+
+
 def group_producer(cfg, rollouter, **kw):
     """``GroupProducer`` with ``cfg``'s values, as ``Run.build`` hands them (tether.pipeline.build)."""
     from tether.pipeline.shaping import GroupProducer

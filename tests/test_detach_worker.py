@@ -124,12 +124,14 @@ def test_detach_worker_holds_prox_across_the_window_and_equals_actor_worker_when
     assert max((plain[n] - every[n]).abs().max().item() for n in plain) < 1e-6
 
 
-def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run):
+@pytest.mark.parametrize("lora", [(), ("model.lora.rank=8",)], ids=["full", "lora"])
+def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run, lora):
     """A real run (one_step_off_policy, a sync every 2 steps): step 2 trains on samples of version 0. With
     DetachActorWorker π_prox is version 0's weights — the ones that sampled — so the behaviour correction's
-    ratio π_prox/π_behav stays at 1 (up to the engine's arithmetic); with ActorWorker it is step 1's weights."""
+    ratio π_prox/π_behav stays at 1 (up to the engine's arithmetic); with ActorWorker it is step 1's weights. The
+    same with ``model.lora``: DetachActorWorker holds version 0's adapter (the one that sampled)."""
     common = ("rollout.mode=one_step_off_policy", "trainer.trigger_parameter_sync_step=2", "trainer.total_steps=2",
-              "trainer.save_every=0", "policy_optimization.optimizer.lr=1e-2")
+              "trainer.save_every=0", "policy_optimization.optimizer.lr=1e-2", *lora)
     plain, _, _ = small_run("actor", *common, "actor_worker.class=ActorWorker")
     held, _, _ = small_run("detach", *common, "actor_worker.class=DetachActorWorker")
     p, h = plain[1:], held[1:]
@@ -137,7 +139,8 @@ def test_flipping_the_class_changes_a_run_inside_a_sync_window(small_run):
     # the gap's size, not the mean ratio: E_behav[π_prox/π_behav] = 1 whatever π_prox is, so is_ratio_mean can sit
     # at 1 ± 1e-5 with ActorWorker too (seen once in CI: step 1 all-degenerate, its update the entropy bonus alone)
     gap_plain, gap_held = p[1]["optim/is_log_ratio_abs"], h[1]["optim/is_log_ratio_abs"]
-    print(f"step 2 mean |log π_prox - log π_behav|: ActorWorker {gap_plain:.2e}, DetachActorWorker {gap_held:.2e}; "
+    print(f"{lora} step 2 mean |log π_prox - log π_behav|: ActorWorker {gap_plain:.2e}, DetachActorWorker "
+          f"{gap_held:.2e}; "
           f"detach save {h[1]['perf/detach_save_s']:.2e} s, restore {h[1]['perf/detach_restore_s']:.2e} s")
     assert gap_held <= 1e-5 and gap_plain > 1e-3  # measured: ≤ 1.4e-07 and 0.07 .. 0.09
     assert h[1]["perf/detach_restore_s"] > 0 and "perf/detach_restore_s" not in p[1]

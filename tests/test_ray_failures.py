@@ -4,13 +4,12 @@ and --resume continues it exactly once. One local Ray cluster (2 CPUs) for the m
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_RUN, read_rows
+from conftest import SMALL_RUN, read_rows, train_on_ray_killing_the_rollouter
 from tether.config import load_config
 
 ray = pytest.importorskip("ray")
@@ -33,33 +32,13 @@ def _sum(rows: list[dict], key: str) -> float:
 
 @pytest.mark.slow
 def test_killing_the_rollout_actor_mid_run_requeues_its_groups_and_trains_each_once(cluster, tiny_model, tmp_path):
-    from tether.distributed.ray_backend import train_on_ray
-
     run_dir = tmp_path / "run"
     # engine.max_tokens 48: a group call lasts several times the stats → kill round trip, so the calls seen in flight
     # are still in flight when the kill lands (at 12 tokens, on a loaded machine, they could finish first)
     cfg = _cfg(tmp_path, tiny_model, "rollout.mode=fully_async", "trainer.total_steps=4", "trainer.save_every=4",
                "ray.weight_bucket_mb=0.1", "engine.max_tokens=48")  # 0.54 MiB of weights: several buckets
-    actors: dict = {}
-    killed: dict = {}
-
-    def kill_mid_run() -> None:
-        """Once step 1 is logged (weights pushed: the restarted actor must catch up), kill the rollouter actor
-        while groups are in flight in it."""
-        deadline = time.monotonic() + 500
-        while time.monotonic() < deadline:
-            if "rollout" in actors and (run_dir / "metrics.jsonl").is_file() and len(read_rows(run_dir)) >= 2:
-                stats = ray.get(actors["rollout"].stats.remote())
-                if stats["in_flight"] > 0:
-                    killed.update(stats)
-                    ray.kill(actors["rollout"], no_restart=False)  # as a lost node would: Ray restarts it
-                    return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_mid_run, daemon=True)
-    killer.start()
-    train_on_ray(cfg, run_dir, show_progress=False, on_start=actors.update)
-    killer.join(timeout=5)
+    # once step 1 is logged (weights pushed: the restarted actor must catch up), while groups are in flight in it
+    killed = train_on_ray_killing_the_rollouter(cfg, run_dir, lambda stats: stats["in_flight"] > 0)
     rows = read_rows(run_dir)
     assert killed["in_flight"] > 0 and killed["token"] >= 1  # killed with work in flight, after a weight push
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # the run completed
