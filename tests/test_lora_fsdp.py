@@ -7,8 +7,11 @@ own running RMS, so an entry near zero whose last bits differ moves by a visibly
 tests/test_fsdp2.py); the KL to the adapter-off reference is the plain
 learner's; rank 0 pushes the adapter alone (``perf/weight_sync_mb`` = its bytes); the checkpoint loads with
 ``PeftModel.from_pretrained`` and resumes across layouts (2 ranks ← 1 plain, 1 plain ← 2 ranks, bit for bit); the
-merged copy (``tether export --merge``, the evaluation engine) is the policy. A 2-rank run serves the trained policy
-(``rollout/logp_abs_diff_mean`` < 1e-5) and syncs the adapter's bytes.
+merged copy (``tether export --merge``, the evaluation engine) is the policy. A 2-rank run trains the adapter of one
+plain process (measured 4e-8..5e-7 over 2 steps: the order of the ranks' sums varies), serves the trained policy
+(``rollout/logp_abs_diff_mean`` 1.3e-7, 1.6e-7 < 1e-5) and syncs the adapter's bytes (16 KiB a sync); a run on one
+fsdp2 rank trains the plain adapter (8.1e-8) and its checkpoint resumes on 2 ranks (2.7e-7 from straight on).
+DetachActorWorker on 2 ranks: 3.4e-6.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ class AdapterEngine:
         self.calls.append((adapter, scaling, version))
 
 
-def test_two_fsdp2_ranks_train_the_adapter_one_plain_learner_trains(tiny_model, tmp_path, metrics):
+@pytest.mark.parametrize("worker", ["ActorWorker", "DetachActorWorker"])  # Detach: π_prox from each rank's kept shards
+def test_two_fsdp2_ranks_train_the_adapter_one_plain_learner_trains(tiny_model, tmp_path, metrics, worker):
     torch.manual_seed(0)
     model, _ = load_model_and_tokenizer(tiny_model)
-    plain = spec_of(cfg_of()).build(model)
+    plain = spec_of(cfg_of(f"actor_worker.class={worker}")).build(model)
     assert isinstance(plain, Learner)
     trajs = batches(model.config.vocab_size)
     plain_metrics = [plain.train_step(t, ADVANTAGES) for t in trajs]
@@ -82,7 +86,8 @@ def test_two_fsdp2_ranks_train_the_adapter_one_plain_learner_trains(tiny_model, 
 
     torch.manual_seed(0)  # rank 0 draws the plain learner's A; rank 1's own draw is replaced by rank 0's
     model, _ = load_model_and_tokenizer(tiny_model)
-    trainer = start_trainer(model, tiny_model, spec_of(cfg_of("actor_worker.strategy=fsdp2")), num_ranks=2)
+    trainer = start_trainer(model, tiny_model, spec_of(cfg_of("actor_worker.strategy=fsdp2",
+                                                              f"actor_worker.class={worker}")), num_ranks=2)
     try:
         group = trainer.learner
         assert group.ranks.world == 2 and group.lora_scaling == plain.lora_scaling == 32 / 4
@@ -104,7 +109,7 @@ def test_two_fsdp2_ranks_train_the_adapter_one_plain_learner_trains(tiny_model, 
         (adapter, scaling, version), = engine.calls
         assert version == 2 and scaling == 8.0 and len(adapter) == 2 * TARGETS
         diff = max_diff(adapter, plain.adapter_for_engine())
-        print(f"2 fsdp2 ranks vs 1 plain learner, 2 steps: adapter max |Δ| {diff:.1e}")
+        print(f"{worker}: 2 fsdp2 ranks vs 1 plain learner, 2 steps: adapter max |Δ| {diff:.1e}")
         assert diff < 1e-5  # measured: 1.2e-6 (of entries up to ~0.4, moved by up to 4e-2)
         assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_B"))  # B trained
         assert metrics.flush(0)["perf/weight_sync_mb"] == sum(t.nbytes for t in adapter.values()) / 2**20
@@ -137,7 +142,7 @@ def test_two_fsdp2_ranks_train_the_adapter_one_plain_learner_trains(tiny_model, 
 
     # and the 2 ranks' checkpoint into a fresh plain learner: their adapter and AdamW moments
     fresh_model, _ = load_model_and_tokenizer(tiny_model)
-    fresh = spec_of(cfg_of()).build(fresh_model)
+    fresh = spec_of(cfg_of(f"actor_worker.class={worker}")).build(fresh_model)
     assert isinstance(fresh, Learner) and load_checkpoint(ckpt, fresh) == {"step": 2} and fresh.version == 2
     assert max_diff(fresh.adapter_for_engine(), adapter) == 0.0
     s1, s2 = plain.optimizer.optimizer.state_dict(), fresh.optimizer.optimizer.state_dict()
@@ -157,12 +162,12 @@ def test_a_run_on_two_fsdp2_ranks_serves_the_trained_adapter(small_run):
     weights = load_file(ckpt / "adapter_model.safetensors")
     straight = load_file(one / "checkpoints" / "step_2" / "adapter_model.safetensors")
     diff = max((weights[k] - straight[k]).abs().max().item() for k in straight)
+    synced = [r["perf/weight_sync_mb"] for r in rows if "perf/weight_sync_mb" in r]
     print(f"run, 2 fsdp2 ranks vs 1 plain process, 2 steps: adapter max |Δ| {diff:.1e}; "
-          f"|Δ log π| engine vs learner {[r.get('rollout/logp_abs_diff_mean') for r in rows[1:]]}")
+          f"|Δ log π| engine vs learner {[r.get('rollout/logp_abs_diff_mean') for r in rows[1:]]}; sync MiB {synced}")
     assert weights.keys() == straight.keys() and diff < 1e-5
     assert all(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)  # B left its zero start
-    # each sync moves the adapter alone: the checkpoint's bytes (16 KiB here), not the merged weights
-    synced = [r["perf/weight_sync_mb"] for r in rows if "perf/weight_sync_mb" in r]
+    # each sync moves the adapter alone: the checkpoint's bytes (rank 8: 16 KiB here), not the merged weights
     assert synced and all(mb == pytest.approx(sum(v.nbytes for v in weights.values()) / 2**20) for mb in synced)
     # the engine serves the policy the 2 ranks train: the last sync's tokens scored by the learner agree
     assert rows[-1]["rollout/logp_abs_diff_mean"] < 1e-5
@@ -171,3 +176,51 @@ def test_a_run_on_two_fsdp2_ranks_serves_the_trained_adapter(small_run):
     two = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(ckpt)).eval()
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(one / "checkpoints" / "step_2"))
     assert (logits(two, IDS) - logits(plain.eval(), IDS)).abs().max() < 1e-4
+
+
+def test_one_fsdp2_rank_trains_the_plain_adapter_and_two_ranks_resume_it(small_run, tiny_model, tmp_path, monkeypatch):
+    """``actor_worker.strategy: fsdp2`` on the trainer's one rank (a process group of one): the base sharded, the
+    adapter alone in AdamW, the plain process's adapter; its step-1 checkpoint resumed on 2 ranks gives step 2's."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from tether.learner import fsdp
+    from tether.pipeline.trainer import train
+
+    built: list[Learner] = []
+    real = fsdp.sharded_learner
+
+    def spy(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(fsdp, "sharded_learner", spy)  # what run_learner shards the one trainer rank with
+    sets = ("model.lora.rank=8", "trainer.total_steps=2", "trainer.save_every=1", "trainer.deterministic=true")
+    _, _, plain = small_run("plain", *sets)
+    try:
+        _, _, run_dir = small_run("fsdp2", *sets, "actor_worker.strategy=fsdp2")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    [learner] = built
+    assert fsdp.is_sharded(learner.model) and learner.ref_model is None and learner.lora_scaling == 32 / 8
+    names = {id(p): n for n, p in learner.model.named_parameters()}
+    assert all(".lora_" in names[id(p)] for p in learner.optimizer.params) and len(learner.optimizer.params) == 14
+
+    def adapter(run: object, step: int) -> dict[str, torch.Tensor]:
+        return load_file(tmp_path / str(run) / "checkpoints" / f"step_{step}" / "adapter_model.safetensors")
+
+    straight, sharded = adapter(plain, 2), adapter(run_dir, 2)
+    one_rank = max_diff(straight, sharded)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_2")
+    cfg = load_config([tmp_path / "small_run.yaml"], [f"model.path={tiny_model}", *sets, "actor_worker.strategy=fsdp2",
+                                                      "resource_pool.trainer_pool.num_ranks=2"])
+    train(cfg, resumed, resume=True, show_progress=False)
+    two_ranks = max_diff(sharded, adapter(resumed, 2))
+    print(f"1 fsdp2 rank vs 1 plain process: adapter max |Δ| {one_rank:.1e}; resumed on 2 ranks: {two_ranks:.1e}")
+    assert one_rank < 1e-6 and two_ranks < 1e-5
+    assert max_diff(sharded, adapter(run_dir, 1)) > 1e-6  # step 2 moved the adapter

@@ -18,7 +18,9 @@ The reference model is not saved: build the learner from the *initial* model, th
 With ``model.lora`` the model's files are the adapter in peft's format instead (``adapter_config.json``, naming the
 base's folder, and ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, step_N)`` loads it), megabytes
 instead of the whole weights; no ``config.json``, so that ``from_pretrained(step_N)`` is not mistaken for a whole
-model. ``tether eval`` and ``serve`` load such a folder as its base with the adapter merged in
+model. A LoRA learner sharded over several ranks writes the same folder: the adapter and its AdamW state gathered whole
+(the moments keyed by parameter name; no ``shards/``, the base is never gathered), so it resumes into one plain
+learner or any number of ranks. ``tether eval`` and ``serve`` load such a folder as its base with the adapter merged in
 (``tether.learner.model.load_model_and_tokenizer``); ``tether export CKPT --merge`` writes the merged weights.
 
 A learner sharded over several ranks (``tether.learner.group``) saves with ``save_sharded_checkpoint``, every rank at

@@ -29,6 +29,11 @@ reduced in float32). Several trainer ranks in a run
 them through ``tether.learner.group``; a run launched by torchrun (``WORLD_SIZE`` above 1) is refused. Checkpoints
 and the evaluation engine see whole weights (``unsharded``); the optimizer state is saved whole, keyed by parameter
 name (``optimizer_state`` / ``load_optimizer_state``), so a run saved with N ranks resumes with M.
+
+With ``model.lora`` the peft model is wrapped first and its base model sharded (``sharded_learner``): each unit holds
+the frozen base weights and the adapter's A and B, FSDP2 reduces only the adapter's gradients and AdamW holds only
+the adapter; the KL reference is the same shards with the adapter off. What leaves the learner gathers the adapter
+alone (a sync, a checkpoint) or the merged weights (``tether.learner.lora``).
 """
 
 from __future__ import annotations

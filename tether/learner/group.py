@@ -18,7 +18,9 @@ code path on every rank, so the collectives line up by construction. What only r
 The surface: every ``Learner`` member that ``tether/pipeline`` and ``learner/checkpoint.py`` use — ``train_step``,
 ``skip_step``, ``streams`` / ``begin_step`` → ``add_trajectories`` → ``finish_step`` (``pipeline/streaming.py``'s
 group-by-group update), ``state_dict_for_engine`` / ``weight_buckets`` (a gather per bucket), ``worker.on_sync``,
-``describe``, ``version``, ``kl_coef``, ``kl_guard_stops``, ``model``; and for the functions the pipeline calls on
+``describe``, ``version``, ``kl_coef``, ``kl_guard_stops``, ``model``, and with ``model.lora`` ``lora_scaling`` /
+``adapter_for_engine`` (A and B alone gathered, rank 0 pushes them: ``WeightSync.push``; the merged weights for the
+whole-weights paths); and for the functions the pipeline calls on
 ``learner.model`` that gather shards, the group's own: ``save_checkpoint`` / ``load_checkpoint``
 (``learner/checkpoint.py``'s) and ``unsharded_model``.
 
