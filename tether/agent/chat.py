@@ -35,28 +35,53 @@ _ANCHOR_SYSTEM = {"role": "system", "content": "s"}
 _ANCHOR_USER = {"role": "user", "content": "u"}
 
 
-_RENDER_CACHE_SIZE = 4096  # renderings kept per tokenizer (a few hundred bytes each)
-_render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_RENDER_CACHE_BYTES = 64 << 20  # per tokenizer: the keys' characters plus ~36 bytes an id (a boxed int, a slot)
+_ID_BYTES = 36
+
+
+@dataclass
+class _RenderCache:
+    entries: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+
+    @staticmethod
+    def size(key: str, ids: tuple[int, ...]) -> int:
+        return len(key) + _ID_BYTES * len(ids)
+
+    def put(self, key: str, ids: tuple[int, ...]) -> None:
+        size = self.size(key, ids)
+        if size > _RENDER_CACHE_BYTES // 16 or key in self.entries:  # one huge rendering would flush the rest
+            return
+        self.entries[key] = ids
+        self.nbytes += size
+        while self.nbytes > _RENDER_CACHE_BYTES:
+            old_key, old_ids = self.entries.popitem(last=False)
+            self.nbytes -= self.size(old_key, old_ids)
+
+
+_render_caches: weakref.WeakKeyDictionary[Any, _RenderCache] = weakref.WeakKeyDictionary()
 _render_lock = threading.Lock()
 
 
 def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, *,
-               add_generation_prompt: bool) -> list[int]:
+               add_generation_prompt: bool, max_cached_len: int | None = None) -> list[int]:
     """Token ids of the chat template applied to ``messages``.
 
     Cached per tokenizer, keyed by the messages, tools and flag as JSON: the episodes of a group share their
     opening prompt, every suffix is cut from the same anchor rendering, and tool results repeat, so most
     renderings of a step were rendered before. A rendering is a pure function of those inputs and the
     tokenizer, so a cached one is the one the template would give (``tests/test_speed_equivalence.py``).
+    The cache is bounded in bytes (``_RENDER_CACHE_BYTES``, least recently used first out, no entry over a
+    sixteenth of it); a rendering of ``max_cached_len`` ids or more is not kept (``tether serve`` refuses it).
     """
     key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True, default=repr)
     with _render_lock:
         cache = _render_caches.get(tokenizer)
         if cache is None:
-            cache = _render_caches[tokenizer] = OrderedDict()
-        hit = cache.get(key)
+            cache = _render_caches[tokenizer] = _RenderCache()
+        hit = cache.entries.get(key)
         if hit is not None:
-            cache.move_to_end(key)
+            cache.entries.move_to_end(key)
             return list(hit)
     out = tokenizer.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -65,10 +90,9 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in some versions
         out = out["input_ids"]
     ids = tuple(out)
-    with _render_lock:
-        cache[key] = ids
-        if len(cache) > _RENDER_CACHE_SIZE:
-            cache.popitem(last=False)
+    if max_cached_len is None or len(ids) < max_cached_len:
+        with _render_lock:
+            cache.put(key, ids)
     return list(ids)
 
 
