@@ -75,7 +75,7 @@ def measure(shape: str, tokenizer, *, rank: int, dtype: torch.dtype, repeats: in
               "full": lambda remote, v: remote.update_weights(full, v)}
     for kind, push in pushes.items():  # a fresh server each: the adapter's merge does not see the full pushes
         engine = LocalEngine(cast_copy(model, dtype))
-        app = make_app(engine, tokenizer, model_name="policy")
+        app = make_app(engine, tokenizer, model_name="policy", weight_updates=True)
         with ServerThread(app) as server:
             remote = RemoteEngine(LLMClient(server.base_url + "/v1", model="policy", max_retries=0))
             out[f"{kind}_s"] = timed(push, remote, repeats)

@@ -45,7 +45,7 @@ def start_server(sft: str, overrides: list[str], log: Path) -> tuple[subprocess.
     port = free_port()
     sets = [a for o in overrides for a in ("--set", o)]
     cmd = [sys.executable, "-m", "tether", "serve", sft, "--port", str(port), "--served-model-name", "policy",
-           "--config", str(DEMO / "config.yaml"), *sets]
+           "--config", str(DEMO / "config.yaml"), "--enable-weight-updates", *sets]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

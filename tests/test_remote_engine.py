@@ -55,14 +55,16 @@ class Served:
 
 
 @pytest.fixture
-def serve(tiny_model):
-    """``serve(**engine_kwargs)``: the tiny model behind ``tether serve``'s app on a free loopback port."""
+def serve(tiny_model, tmp_path_factory):
+    """``serve(**engine_kwargs)``: the tiny model behind ``tether serve``'s app on a free loopback port, weight updates
+    allowed (``tether serve --enable-weight-updates``) from the tests' temporary folders."""
     started: list[tuple[ServerThread, LocalEngine]] = []
 
     def start(**engine_kwargs) -> Served:
         model, tokenizer = load_model_and_tokenizer(tiny_model)
         engine = LocalEngine(copy.deepcopy(model).eval(), **engine_kwargs)
-        app = make_app(engine, tokenizer, model_name="tiny")
+        app = make_app(engine, tokenizer, model_name="tiny", weight_updates=True,
+                       weights_root=tmp_path_factory.getbasetemp())
         calls: Counter = Counter()
 
         @app.middleware("http")

@@ -150,7 +150,7 @@ def test_the_endpoint_lost_in_the_middle_of_a_run_names_it_the_checkpoint_and_th
 
     model, tokenizer = load_model_and_tokenizer(tiny_model)
     engine = LocalEngine(copy.deepcopy(model).eval())
-    server_app = make_app(engine, tokenizer, model_name="tiny")
+    server_app = make_app(engine, tokenizer, model_name="tiny", weight_updates=True)  # --enable-weight-updates
     pushes: Counter = Counter()
     server = ServerThread(server_app)
 

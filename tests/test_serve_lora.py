@@ -49,13 +49,15 @@ def ckpt(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture
-def server(tiny_model):
-    """``server(**make_app_kwargs)``: the tiny model served as "tiny" on a LocalEngine; requests counted by path."""
+def server(tiny_model, tmp_path_factory):
+    """``server(**make_app_kwargs)``: the tiny model served as "tiny" on a LocalEngine; requests counted by path.
+    Weight updates allowed, from any folder of the tests' temporary ones."""
     started = []
 
     def start(**kw):
         model, tokenizer = load_model_and_tokenizer(tiny_model)
         engine = LocalEngine(copy.deepcopy(model))
+        kw = {"weight_updates": True, "weights_root": tmp_path_factory.getbasetemp(), **kw}
         app = make_app(engine, tokenizer, model_name="tiny", **kw)
         calls: Counter = Counter()
 
@@ -191,7 +193,7 @@ def test_adapter_errors_name_what_is_wrong(server, ckpt, tmp_path):
     msg = refused("c", ckpt)
     assert "--max-loras 2" in msg and "['a', 'b']" in msg
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c"})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "lora_path"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert greedy(url, "nope", PROMPTS[0]).status_code == 404
     engines = [a.gen.engine for a in s.server.config.app.state.adapters.all()]
     assert len(engines) == 2

@@ -362,6 +362,17 @@ def serve(
     max_loras: Annotated[int, typer.Option(
         "--max-loras", min=0, help="LoRA adapters loaded at once through /v1/load_lora_adapter (vLLM's option); "
                                    "each is served from a copy of the model's weights.")] = 4,
+    enable_weight_updates: Annotated[bool, typer.Option(
+        "--enable-weight-updates", help="Allow the weight-update routes (/update_weights_from_*, LoRA loading) without "
+                                        "an API key (with --api-key-env they are allowed): engine.type remote "
+                                        "training needs them.")] = False,
+    weights_root: Annotated[Path | None, typer.Option(
+        "--weights-root", metavar="FOLDER", help="The folder under which /update_weights_from_disk and "
+                                                 "/v1/load_lora_adapter may read (default: CHECKPOINT's parent "
+                                                 "folder, e.g. RUN/checkpoints).")] = None,
+    max_request_bytes: Annotated[int, typer.Option(
+        "--max-request-bytes", min=1, help="The largest request body of the JSON routes (413 above it); weight "
+                                           "tensors pushed in a body are not bounded.")] = 32 << 20,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 
@@ -384,7 +395,9 @@ def serve(
         raise fail(str(e)) from None
     try:
         server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
-                     api_key_env=api_key_env, chat_template=template, max_loras=max_loras)
+                     api_key_env=api_key_env, chat_template=template, max_loras=max_loras,
+                     weight_updates=enable_weight_updates, weights_root=weights_root,
+                     max_request_bytes=max_request_bytes)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

@@ -33,6 +33,7 @@ import torch
 from tether.agent.chat import render_ids
 from tether.agent.parsers import get_parser
 from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
+from tether.serve.protocol import SEED_MAX
 
 
 class APIError(Exception):
@@ -98,20 +99,34 @@ class Generator:
         # The agent loop's end-of-turn ids (tether.agent.loop.AgentLoopBase) plus tool_parser.stop_token_ids.
         self.chat_stop_ids = self.eos_ids | ({im_end} if im_end is not None else set()) | set(extra_stop_ids)
         self._added = set(tokenizer.get_added_vocab())
+        # The longest token's piece: a byte-level piece has one character per byte, so no token covers more
+        # characters of text than this (check_text's bound).
+        self.max_token_chars = max((len(p) for p in tokenizer.get_vocab()), default=1)
         self.model_lock = threading.Lock()  # held by top_logprobs forward passes and by weight updates
 
     # --- prompts ---------------------------------------------------------------------------------------------
 
+    def check_text(self, chars: int, param: str) -> None:
+        """400 for text that cannot fit the context whatever its tokens (before rendering or tokenizing it: the cost
+        grows with the text): at least chars / max_token_chars tokens, with a factor 2 for normalizers that merge
+        characters."""
+        if self.max_model_len is not None and chars > 2 * self.max_model_len * self.max_token_chars:
+            raise APIError(400, f"the prompt has {chars} characters, more than this model's maximum context length of "
+                                f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
+
     def render_chat(self, messages: list[Any], tools: list[Any] | None) -> list[int]:
         msgs = [_message_dict(m) for m in messages]
+        self.check_text(sum(len(m["content"] or "") for m in msgs), "messages")
         schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        try:
-            return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True)
+        try:  # a prompt longer than the context is refused by check_prompt: not cached
+            return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True,
+                              max_cached_len=self.max_model_len)
         except Exception as e:  # noqa: BLE001 — jinja errors: a template that cannot render this conversation
             raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        self.check_text(len(text), param)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
@@ -146,7 +161,7 @@ class Generator:
         ids = set() if req.ignore_eos else set(defaults)
         ids |= set(req.stop_token_ids or [])
         for s in strings:
-            one = self.encode(s)
+            one = self.encode(s, "stop")
             if len(one) == 1:
                 ids.add(one[0])
         bad = sorted(i for i in ids if i >= self.vocab_size)
@@ -285,6 +300,9 @@ def sampling_params(req: Any, max_tokens: int, stop_ids: tuple[int, ...]) -> Sam
                                 f"policy's own distribution, which training relies on", param=name)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by tether serve", param="logit_bias")
+    if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:  # choice i samples with seed + i
+        raise APIError(400, f"seed must be at most {SEED_MAX - req.n + 1} with n = {req.n} (choice i samples with "
+                            f"seed + i, a 64-bit integer)", param="seed")
     return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
                           stop_token_ids=stop_ids, seed=req.seed)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128  # choices per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI allows 20 in chat, vLLM 20 everywhere)
+SEED_MAX = 2**63 - 1  # seeds are 64-bit signed integers (vLLM's bounds; torch's generators take them)
 
 
 class _Body(BaseModel):
@@ -115,7 +116,7 @@ class _Sampling(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: Temperature | None = None  # None = 1.0; 0 = greedy
     top_p: TopP | None = None  # None = 1.0
-    seed: int | None = None  # choice i samples with seed + i
+    seed: Annotated[int, Field(ge=-SEED_MAX - 1, le=SEED_MAX)] | None = None  # choice i samples with seed + i
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False

@@ -7,6 +7,7 @@ the actual address is known (``serve`` prints it; ``ServerThread.base_url``).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 import threading
@@ -23,7 +24,7 @@ from tether.config import RunConfig
 from tether.config.plan import Plan
 from tether.learner.model import load_model_and_tokenizer
 from tether.runtime import local_engine
-from tether.serve.app import make_app
+from tether.serve.app import MAX_REQUEST_BYTES, make_app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -59,12 +60,14 @@ def read_chat_template(path: str | Path) -> str:
 
 
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
-          chat_template: str | None = None, max_loras: int = 4) -> tuple[FastAPI, Any]:
+          chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
+          weights_root: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``). ``max_loras``: LoRA adapters
     loaded at once (``/v1/load_lora_adapter``), each on a local engine of the same settings over a copy of the
-    served weights (``tether.serve.adapters``)."""
+    served weights (``tether.serve.adapters``). ``weight_updates``, ``weights_root`` (default: the checkpoint's
+    parent folder), ``max_request_bytes``: ``make_app``'s."""
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -78,22 +81,50 @@ def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: s
 
     app = make_app(engine, tokenizer, model_name=model_name, parser=cfg.tool_parser.name,
                    extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key, max_loras=max_loras,
-                   adapter_engine=adapter_engine)
+                   adapter_engine=adapter_engine, weight_updates=weight_updates,
+                   weights_root=Path(checkpoint).resolve().parent if weights_root is None else weights_root,
+                   max_request_bytes=max_request_bytes)
     return app, engine
+
+
+def exposure_warning(host: str, api_key: str | None, weight_updates: bool) -> str | None:
+    """The warning ``serve`` prints for a host other machines may reach without a key (None when there is none)."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"warning: listening on {host}, which other machines may reach, without an API key: anyone who can "
+            f"connect can generate{' and replace the weights (--enable-weight-updates)' if weight_updates else ''}; "
+            f"require a key with --api-key-env VAR")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: whatever it resolves to may be reachable from elsewhere
+        return False
 
 
 def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
-          chat_template: str | None = None, max_loras: int = 4, log: Callable[[str], None] | None = None) -> None:
+          chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
+          weights_root: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+          log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
-    fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``:
-    ``build``'s."""
+    fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``,
+    ``weight_updates``, ``weights_root``, ``max_request_bytes``: ``build``'s. Warns when a host other than loopback
+    is bound without a key: anyone who reaches it can generate (and, with ``weight_updates``, replace the weights)."""
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     sock = bind(host, port)
+    warning = exposure_warning(host, api_key, weight_updates)
+    if warning is not None:
+        log(warning)
     name = model_name or Path(checkpoint).name
     app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key, chat_template=chat_template,
-                        max_loras=max_loras)
+                        max_loras=max_loras, weight_updates=weight_updates, weights_root=weights_root,
+                        max_request_bytes=max_request_bytes)
     try:
         actual = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host

@@ -5,6 +5,10 @@ step boundary (with partial rollout, in-flight generations resume under them and
 new version). Names and shapes are checked against the served model first, so a wrong checkpoint is answered 400
 naming the tensors instead of failing inside the engine. Updates are serialised with ``top_logprobs`` forward
 passes (``Generator.model_lock``), which read the same module.
+
+Paths a caller names (``/update_weights_from_disk``'s ``model_path``, ``/v1/load_lora_adapter``'s ``lora_path``) must
+lie under the server's weights root (``tether serve --weights-root``), symlinks resolved; one outside it is refused
+before anything is looked up there, with the same answer whether it exists or not.
 """
 
 from __future__ import annotations
@@ -17,6 +21,21 @@ import torch
 from safetensors.torch import load, load_file, save
 
 from tether.serve.generation import APIError, Generator
+
+
+def under_root(path: str, root: Path | None, param: str) -> str:
+    """``path`` resolved, when it lies under ``root`` (itself resolved); 403 otherwise, naming neither what exists
+    there nor what does not."""
+    if root is None:
+        raise APIError(403, f"{param}: this server loads no weights from its disk (start it with --weights-root "
+                            f"FOLDER to allow folders under FOLDER)", param=param, code="path_not_allowed",
+                       type="permission_error")
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_relative_to(root):
+        raise APIError(403, f"{param} {path!r} is not under this server's weights root {str(root)!r} "
+                            f"(tether serve --weights-root)", param=param, code="path_not_allowed",
+                       type="permission_error")
+    return str(resolved)
 
 
 async def read_folder(path: str) -> dict[str, torch.Tensor]:
