@@ -26,7 +26,7 @@ from tether.config import RunConfig, load_config
 from tether.learner import load_model_and_tokenizer, lora
 from tether.learner.checkpoint import load_checkpoint, save_checkpoint
 from tether.learner.learner import Learner
-from tether.learner.pool import LearnerSpec, start_trainer
+from tether.learner.pool import LearnerSpec, Trainer, start_trainer
 from tether.pipeline.weights import WeightSync
 
 torch.set_num_threads(1)
@@ -201,10 +201,14 @@ def test_one_fsdp2_rank_trains_the_plain_adapter_and_two_ranks_resume_it(small_r
     _, _, plain = small_run("plain", *sets)
     try:
         _, _, run_dir = small_run("fsdp2", *sets, "actor_worker.strategy=fsdp2")
+        [learner] = built
+        whole = Trainer(learner).whole_model()  # the merged copy (an evaluation engine's), gathered from the shards
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    [learner] = built
+    ckpt = run_dir / "checkpoints" / "step_2"
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(ckpt)).eval()
+    assert not hasattr(whole, "peft_config") and (logits(whole, IDS) - logits(peft, IDS)).abs().max() < 1e-5
     assert fsdp.is_sharded(learner.model) and learner.ref_model is None and learner.lora_scaling == 32 / 8
     names = {id(p): n for n, p in learner.model.named_parameters()}
     assert all(".lora_" in names[id(p)] for p in learner.optimizer.params) and len(learner.optimizer.params) == 14

@@ -209,8 +209,10 @@ def unsharded(model: Any, weights: dict[str, torch.Tensor] | None = None) -> Any
     """``model`` itself, or for a sharded one a plain copy of its class with the whole weights (a collective), for
     ``save_pretrained`` and an engine of its own. ``weights``: the whole weights to put in the copy instead of the
     model's own (``lora.merged_copy``'s merged ones: ``model`` is then a sharded peft model's base)."""
-    if not is_sharded(model) or hasattr(model, "get_base_model"):  # a plain model; a peft one: lora.merged_copy
+    if not is_sharded(model):
         return model
+    if hasattr(model, "get_base_model"):  # the whole weights of a sharded peft model are its merged ones
+        raise TypeError("fsdp.unsharded got a sharded peft model: use tether.learner.lora.merged_copy")
     cls: Any = next(c for c in type(model).__bases__ if not issubclass(c, FSDPModule))  # FSDP<cls> → cls
     with torch.device("meta"):
         plain = cls(model.config)
