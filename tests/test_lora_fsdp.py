@@ -10,7 +10,8 @@ learner's; rank 0 pushes the adapter alone (``perf/weight_sync_mb`` = its bytes)
 merged copy (``tether export --merge``, the evaluation engine) is the policy. A 2-rank run trains the adapter of one
 plain process (measured 4e-8..5e-7 over 2 steps: the order of the ranks' sums varies), serves the trained policy
 (``rollout/logp_abs_diff_mean`` 1.3e-7, 1.6e-7 < 1e-5) and syncs the adapter's bytes (16 KiB a sync); a run on one
-fsdp2 rank trains the plain adapter (8.1e-8) and its checkpoint resumes on 2 ranks (2.7e-7 from straight on).
+fsdp2 rank trains the plain adapter (8.1e-8), its adapter-off reference is the base's logits (measured 0) and its
+checkpoint resumes on 2 ranks (2.7e-7 from straight on).
 DetachActorWorker on 2 ranks: 3.4e-6.
 """
 
@@ -203,12 +204,18 @@ def test_one_fsdp2_rank_trains_the_plain_adapter_and_two_ranks_resume_it(small_r
         _, _, run_dir = small_run("fsdp2", *sets, "actor_worker.strategy=fsdp2")
         [learner] = built
         whole = Trainer(learner).whole_model()  # the merged copy (an evaluation engine's), gathered from the shards
+        with learner.reference() as ref:  # the KL reference: the sharded policy with its adapter off is the base
+            assert ref is learner.model
+            off = (logits(ref, IDS) - logits(load_model_and_tokenizer(tiny_model)[0], IDS)).abs().max().item()
+        on = (logits(learner.model, IDS) - logits(whole, IDS)).abs().max().item()  # and on again: the policy
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     ckpt = run_dir / "checkpoints" / "step_2"
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(ckpt)).eval()
     assert not hasattr(whole, "peft_config") and (logits(whole, IDS) - logits(peft, IDS)).abs().max() < 1e-5
+    print(f"1 fsdp2 rank: adapter off vs the base {off:.1e}; policy vs its merged copy {on:.1e}")
+    assert off < 1e-6 and on < 1e-5
     assert fsdp.is_sharded(learner.model) and learner.ref_model is None and learner.lora_scaling == 32 / 8
     names = {id(p): n for n, p in learner.model.named_parameters()}
     assert all(".lora_" in names[id(p)] for p in learner.optimizer.params) and len(learner.optimizer.params) == 14
