@@ -3,7 +3,8 @@ against full fine-tuning, seed by seed, side by side in one run.
 
     python benchmarks/lora_learning.py [--seeds 0 1 2] [--rank 16] [--lr 5e-4] [--no-full]
 
-Prints per seed and arm: held-out success before → after (64 tasks), the weight-sync MiB per sync, the wall time;
+Prints per seed and arm: held-out success before → after (64 tasks), the largest step KL to the reference (the demo's
+``max_kl`` is 0.05), the weight-sync MiB per sync, the wall time;
 then, on the last LoRA checkpoint, the engine's behaviour logprobs with the trained adapter merged vs a teacher-forced
 forward of ``PeftModel.from_pretrained(base, checkpoint)`` (unmerged), max |Δ| in float32.
 """
@@ -96,8 +97,8 @@ def main() -> None:
             r["sync_mb"], r["run_dir"] = sync_mb(run_dir), run_dir
             table[arm].append(r)
             print(f"seed {seed} {arm:>24}: held-out success {r['before']:.3f} -> {r['after']:.3f} "
-                  f"({100 * (r['after'] - r['before']):+.1f} points), sync {r['sync_mb']:.3f} MiB, "
-                  f"{r['wall_s']:.0f} s", flush=True)
+                  f"({100 * (r['after'] - r['before']):+.1f} points), largest KL {r['kl_max']:.3f}, sync "
+                  f"{r['sync_mb']:.3f} MiB, {r['wall_s']:.0f} s", flush=True)
     print()
     for arm, rows in table.items():
         gains = [100 * (r["after"] - r["before"]) for r in rows]
