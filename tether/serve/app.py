@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import ctypes
 import hmac
 import json
 import logging
@@ -113,12 +114,40 @@ def _key_problem(api_key: str | None, authorization: str) -> str | None:
     return None
 
 
+def _malloc_trim() -> None:
+    """Hand the heap memory glibc keeps free in its arenas back to the system (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class _Trim:
+    """``malloc_trim`` in a worker a second after the last large body or aborted request: glibc keeps the memory of
+    a freed multi-MB body (and of an aborted request's buffers) in per-thread arenas, where RSS never comes down."""
+
+    def __init__(self) -> None:
+        self.handle: asyncio.TimerHandle | None = None
+
+    def soon(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.handle is not None:
+            self.handle.cancel()
+        self.handle = loop.call_later(1.0, lambda: loop.run_in_executor(None, _malloc_trim))
+
+
+_LARGE_BODY = 4 << 20  # bodies over this are followed by a trim
+
+
 class _Gate:
     """Before any route but ``/health``: the key (401), whether weight updates are allowed (403), and the body read
-    whole up to ``max_bytes`` (413 past it; the tensor routes' bodies are not bounded), then replayed to the app."""
+    whole up to ``max_bytes`` (413 past it; the tensor routes' bodies are not bounded), then replayed to the app.
+    A client that leaves while its body is read counts in ``serve/aborted``."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_bytes: int, weight_updates: bool):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_bytes: int, weight_updates: bool,
+                 counters: Counter[str], trim: _Trim):
         self.app, self.api_key, self.max_bytes, self.weight_updates = app, api_key, max_bytes, weight_updates
+        self.counters, self.trim = counters, trim
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -135,6 +164,7 @@ class _Gate:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
+                        self.counters["serve/aborted"] += 1
                         return
                     chunk = message.get("body", b"")
                     size += len(chunk)
@@ -146,6 +176,9 @@ class _Gate:
                         break
                 if refusal is None:
                     receive = _replay(b"".join(chunks), receive)
+                del chunks
+                if size > _LARGE_BODY:
+                    self.trim.soon()
         if refusal is not None:
             return await refusal(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -266,6 +299,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
     loras = adapters.Adapters(gen, model_name, adapter_engine, lambda e: generator(e, e.model), max_loras)
     created = int(time.time())
     counters: Counter[str] = Counter()
+    trim = _Trim()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -277,7 +311,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
     app.state.adapters = loras
     app.state.counters = counters
     app.add_middleware(_Gate, api_key=api_key, max_bytes=max_request_bytes,
-                       weight_updates=weight_updates or api_key is not None)
+                       weight_updates=weight_updates or api_key is not None, counters=counters, trim=trim)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -321,6 +355,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         if not task.done():
             task.cancel()
             counters["serve/aborted"] += 1
+            trim.soon()
             raise _ClientGone
         return task.result()
 
@@ -334,6 +369,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         finally:
             if not finished:
                 counters["serve/aborted"] += 1
+                trim.soon()
 
     def resolve(name: str) -> Generator:
         """The generator of the model a request names: the served model, or a loaded LoRA adapter."""

@@ -1,0 +1,235 @@
+"""`tether serve` under abuse: small requests' latency and the server's memory while clients abandon heavy requests
+and send huge bodies (issue 29's load test).
+
+The real command, ``tether serve MODEL --port 0`` (the tiny preset, ``OMP_NUM_THREADS=--threads``), in a subprocess;
+this process drives it with httpx and reads the server's RSS from ``/proc/PID/status`` every 20 ms.
+
+1. idle: ``--small`` chat requests (one user message, 8 tokens, greedy), ``--concurrency`` at a time.
+2. loaded: the same requests again, while
+   - ``--abandoners`` clients each send a heavy chat request (``n=--heavy-n``, ``max_tokens=--heavy-tokens``, end of
+     turn ignored: minutes of decoding), give up after ``--give-up-s`` (the client's timeout: it closes the
+     connection) and send it again, 3 attempts in all as the openai SDK's default retries do, at random moments of
+     the phase;
+   - ``--big-senders`` clients each send ``--big-repeats`` chat requests whose body is ``--big-mb`` MB of text, at
+     random moments of the phase (under the default ``--max-request-bytes`` of 32 MiB: read, parsed in a worker and
+     refused as longer than the context without being rendered).
+3. end: the server's RSS once the load has stopped (waits up to 10 s for it to settle).
+
+Prints idle and loaded p50/p99 latency and their p99 ratio (goal <= 2), the server's RSS at start, peak and end (goal:
+end within 10 % of start), the abandoned requests the server counted (``serve/aborted`` in ``/health``). Usage:
+
+    python benchmarks/serve_load.py [--threads 2] [--small 200] [--abandoners 32] [--big-senders 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from tether.learner import ensure_tiny
+
+
+def start_server(path: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "serve", path, "--port", "0",
+                             "--served-model-name", "bench"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        text = log.read_text()
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", text)
+        if found and "Application startup complete" in text:
+            return proc, f"http://127.0.0.1:{found.group(1)}"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"tether serve did not start:\n{text}")
+        time.sleep(0.2)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+class RSSWatch:
+    """The peak RSS of ``pid``, sampled every 20 ms in a thread."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self.done = pid, rss_mb(pid), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, rss_mb(self.pid))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
+def small_body(i: int) -> dict:
+    return {"model": "bench", "messages": [{"role": "user", "content": f"Where is my order ORD-{1000 + i}?"}],
+            "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+async def small_requests(client: httpx.AsyncClient, count: int, concurrency: int,
+                         spans: list[tuple[float, float]] | None = None) -> list[float]:
+    """Latencies of ``count`` small requests; each one's (start, end) appended to ``spans`` when given."""
+    gate, latencies = asyncio.Semaphore(concurrency), []
+
+    async def one(i: int) -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            r = await client.post("/v1/chat/completions", json=small_body(i))
+            latencies.append(time.perf_counter() - t0)
+            if spans is not None:
+                spans.append((t0, time.perf_counter()))
+            assert r.status_code == 200, r.text
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return latencies
+
+
+async def abandoner(url: str, heavy: dict, give_up_s: float, start_s: float, counts: dict,
+                    live: list[tuple[float, float]]) -> None:
+    """Three attempts (the openai SDK's default: the first and 2 retries), each given up after ``give_up_s``; the
+    (start, give-up) moments appended to ``live``."""
+    await asyncio.sleep(start_s)
+    for _ in range(3):
+        async with httpx.AsyncClient(base_url=url, timeout=give_up_s, trust_env=False) as client:
+            t0 = time.perf_counter()
+            try:
+                await client.post("/v1/chat/completions", json=heavy)
+                counts["finished"] += 1
+            except httpx.TimeoutException:
+                counts["abandoned"] += 1
+            live.append((t0, time.perf_counter()))
+
+
+async def big_sender(url: str, body: bytes, starts: list[float], counts: dict) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
+        t0 = time.perf_counter()
+        for start in sorted(starts):
+            await asyncio.sleep(max(0.0, start - (time.perf_counter() - t0)))
+            try:
+                r = await client.post("/v1/chat/completions", content=body,
+                                      headers={"content-type": "application/json"})
+                counts[r.status_code] += 1
+            except httpx.TransportError as e:  # the server closed the connection: counted, not fatal
+                counts[type(e).__name__] += 1
+
+
+async def loaded_phase(url: str, args: argparse.Namespace,
+                       span_s: float) -> tuple[list[float], list[float], dict, dict]:
+    """Latencies of the small requests: all, and those that overlapped no heavy request before its client gave up
+    (plus 0.1 s: the engine drops an abandoned request at its next step)."""
+    heavy = {"model": "bench", "messages": [{"role": "user", "content": "Tell me everything."}], "n": args.heavy_n,
+             "max_tokens": args.heavy_tokens, "ignore_eos": True}
+    big = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "order " * (args.big_mb * 174763)}],
+                      "max_tokens": 8}).encode()
+    abandoned: dict = {"abandoned": 0, "finished": 0}
+    bigs: Counter = Counter()
+    rng = random.Random(0)
+    live: list[tuple[float, float]] = []
+    spans: list[tuple[float, float]] = []
+    background = [asyncio.ensure_future(abandoner(url, heavy, args.give_up_s, rng.uniform(0, span_s), abandoned,
+                                                  live)) for _ in range(args.abandoners)]
+    senders = [asyncio.ensure_future(big_sender(url, big, [rng.uniform(0, span_s) for _ in range(args.big_repeats)],
+                                                bigs)) for _ in range(args.big_senders)]
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, trust_env=False) as client:
+        latencies = await small_requests(client, args.small, args.concurrency, spans)
+    await asyncio.gather(*background, *senders)
+    clear = [b - a for a, b in spans if not any(a < y + 0.1 and x < b for x, y in live)]
+    abandoned["longest_s"] = max((y - x for x, y in live), default=0.0)  # the client's timeout fires late when busy
+    return latencies, clear, abandoned, dict(bigs)
+
+
+def quantiles(latencies: list[float]) -> tuple[float, float]:
+    return statistics.median(latencies), statistics.quantiles(latencies, n=100)[98]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--small", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--abandoners", type=int, default=32)
+    ap.add_argument("--heavy-n", type=int, default=32)
+    ap.add_argument("--heavy-tokens", type=int, default=4000)
+    ap.add_argument("--give-up-s", type=float, default=0.3)
+    ap.add_argument("--big-senders", type=int, default=4)
+    ap.add_argument("--big-mb", type=int, default=20)
+    ap.add_argument("--big-repeats", type=int, default=5, help="bodies each big sender sends")
+    ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
+    args = ap.parse_args()
+
+    path = args.model or ensure_tiny(Path(tempfile.gettempdir(), "tether-tiny"))
+    print(f"model: {path}; threads: {args.threads}; {args.small} small chat requests (8 tokens, {args.concurrency} "
+          f"at a time); load: {args.abandoners} clients abandoning n={args.heavy_n} x {args.heavy_tokens}-token "
+          f"requests after {args.give_up_s} s (3 attempts each), {args.big_senders} clients sending {args.big_repeats} "
+          f"bodies of {args.big_mb} MB each")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_server(path, args.threads, Path(tmp) / "serve.log")
+        try:
+            async def warm() -> None:
+                async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+                    await small_requests(client, 16, args.concurrency)
+
+            asyncio.run(warm())
+            start = rss_mb(proc.pid)
+
+            async def idle_phase() -> list[float]:
+                async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+                    return await small_requests(client, args.small, args.concurrency)
+
+            t0 = time.perf_counter()
+            idle = asyncio.run(idle_phase())
+            idle_s = time.perf_counter() - t0
+            watch = RSSWatch(proc.pid)
+            t0 = time.perf_counter()
+            loaded, clear, abandoned, bigs = asyncio.run(loaded_phase(url, args, span_s=idle_s))
+            loaded_s = time.perf_counter() - t0
+            peak = watch.stop()
+            settle = time.monotonic() + 10
+            end = rss_mb(proc.pid)
+            while end > 1.1 * start and time.monotonic() < settle:
+                time.sleep(0.2)
+                end = rss_mb(proc.pid)
+            health = httpx.get(url + "/health", trust_env=False).json()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    (i50, i99), (l50, l99) = quantiles(idle), quantiles(loaded)
+    print(f"idle    {len(idle)} requests in {idle_s:5.1f} s: p50 {i50 * 1000:7.1f} ms  p99 {i99 * 1000:7.1f} ms")
+    print(f"loaded  {len(loaded)} requests in {loaded_s:5.1f} s: p50 {l50 * 1000:7.1f} ms  p99 {l99 * 1000:7.1f} ms   "
+          f"(heavy requests abandoned {abandoned['abandoned']} after at most {abandoned['longest_s']:.2f} s, finished "
+          f"{abandoned['finished']}; big bodies "
+          f"answered {dict(sorted(bigs.items()))})")
+    if len(clear) >= 2:
+        c50, c99 = quantiles(clear)
+        print(f"  of which {len(clear)} overlapped no heavy request its client still wanted: p50 {c50 * 1000:6.1f} ms"
+              f"  p99 {c99 * 1000:7.1f} ms (p99 / idle p99 = {c99 / i99:.2f})")
+    print(f"p99 loaded/idle = {l99 / i99:.2f} (goal <= 2); serve/aborted = {health['serve/aborted']}")
+    print(f"server RSS: start {start:.0f} MB, peak {peak:.0f} MB, end {end:.0f} MB "
+          f"(end/start = {end / start:.2f}, goal <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()
