@@ -1,7 +1,17 @@
 """The InferenceEngine protocol: token ids in, token ids and logprobs out.
 
-Logprobs are those of the *sampling* distribution before top-p truncation: log_softmax(logits / T).
-The trainer computes its logprobs the same way, so at equal weights the ratio is exactly 1.
+Logprobs are those of the model's *sampling* distribution before any truncation: log_softmax(logits / T), the
+distribution the trainer recomputes, so at equal weights the ratio is exactly 1. What each sampling parameter
+does to that, in the order the engine applies them (vLLM's order; vLLM's default ``logprobs_mode`` records
+unshaped logprobs too):
+
+1. ``logit_bias``, ``min_tokens``, ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` *shape* the
+   logits: they change which token is drawn, not the logprob recorded for it, which stays the model's. The learner
+   cannot recompute them (they are not a function of its forward), so a rollout sampled with them is off-policy
+   w.r.t. what the learner scores, and no importance ratio sees it: the ratio is 1 at equal weights all the same.
+2. ``temperature`` divides the (shaped) logits; the recorded logprob is taken at the same T (T = 1 when greedy).
+3. ``min_p``, ``top_k``, ``top_p`` *truncate* the distribution, in that order (top-p over the mass top-k and min-p
+   kept): the draw is from the truncated one, the logprob from the whole one, as for top_p before them.
 """
 
 from __future__ import annotations
@@ -19,12 +29,45 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
     seed: int | None = None  # per-request seed for reproducible sampling
+    top_k: int = 0  # keep the k most likely tokens (and any tied with the k-th); 0 = off
+    min_p: float = 0.0  # keep tokens with probability >= min_p × the most likely one's (after T); 0 = off
+    repetition_penalty: float = 1.0  # the logit of a token seen in prompt or output: / it when > 0, × it when < 0
+    presence_penalty: float = 0.0  # subtracted from the logit of each token generated at least once
+    frequency_penalty: float = 0.0  # × the times a token was generated, subtracted from its logit
+    min_tokens: int = 0  # none of stop_token_ids can be drawn before this many new tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a logit-shaping parameter acts (base.py's step 1): the draw then departs from the learner's
+        distribution."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or (self.min_tokens > 0 and bool(self.stop_token_ids)) or bool(self.logit_bias))
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field out of its range (token ids against ``vocab_size`` when given)."""
+        problems = [
+            (self.temperature >= 0, "temperature", ">= 0"), (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (self.top_k >= 0, "top_k", ">= 0 (0 = off)"), (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
+            (self.min_tokens >= 0, "min_tokens", ">= 0"),
+        ]
+        for ok, name, want in problems:
+            if not ok:
+                raise ValueError(f"sampling parameter {name} must be {want}, got {getattr(self, name)!r}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise ValueError(f"logit_bias: token id {tok} is not in the vocabulary [0, {vocab_size})")
+            if bias != bias:
+                raise ValueError(f"logit_bias: the bias of token {tok} is NaN")
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # [N] newly generated ids, including the stop id when finish_reason == "stop"
-    logprobs: list[float]  # [N] log_softmax(logits / T) of each chosen id (T = 1 when greedy)
+    logprobs: list[float]  # [N] log_softmax(logits / T) of each chosen id (T = 1 when greedy), unshaped, untruncated
     finish_reason: FinishReason
     versions: list[int] = field(default_factory=list)  # [N] weight version that produced each token
     num_preempted: int = 0  # times this request was interrupted by a weight swap and resumed

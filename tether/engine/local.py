@@ -13,6 +13,11 @@ One step of the worker loop:
      step), each starting from the longest cached prefix (a previous turn's cache, a shared system
      prompt; see ``prefix_cache.py``); prefill them as one batch and sample their first token;
   3. one decode step for every running request; finished requests leave at once.
+Sampling (``sampling.py``) is one batched call per step. The truncation parameters (top_k, min_p) ride in it;
+the logit-shaping ones (penalties, logit_bias, min_tokens) are computed on the rows that have them only, from
+per-request state kept from the first token (a [V] mask of the prompt and output tokens for repetition_penalty, [V]
+output counts for presence/frequency), so a batch without them costs what it did before. Recorded logprobs stay
+the unshaped, untruncated model's (``tether.engine.base``).
 Results go back to each caller's event loop with ``call_soon_threadsafe``. Only the worker thread touches
 the model: ``update_weights`` queues the new weights and waits until the worker has loaded them.
 
@@ -60,7 +65,7 @@ from tether.engine.base import FinishReason, GenerationResult, SamplingParams
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
-from tether.engine.sampling import sample
+from tether.engine.sampling import sample, shape_logits
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,10 @@ class _Request:
     finish: FinishReason | None = None
     cancelled: bool = False  # set by the caller's task when it is cancelled
     uniforms: list[float] = field(default_factory=list)  # drawn from ``generator`` ahead, used front to back
+    truncates: bool = False  # top_k or min_p on
+    shapes: bool = False  # a logit-shaping parameter on (SamplingParams.shapes_logits)
+    seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
+    counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
 
     def uniform(self) -> float:
         """The next uniform of the request's own generator: drawn in blocks (``torch.rand(k)`` is the same stream as k
@@ -161,6 +170,7 @@ class LocalEngine:
         self.deterministic = deterministic
         self._slots = SlotTable(self._runner, prefix_cache_size, reuse=not (problem or deterministic))
         self._max_len = model.config.max_position_embeddings
+        self._vocab = model.get_output_embeddings().weight.shape[0]  # logits per row (logit_bias ids are checked)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.recompute_on_update, self.num_threads = recompute_on_update, num_threads
         self.partial_rollout, self.segment_length = partial_rollout, segment_length
@@ -188,8 +198,7 @@ class LocalEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params}")
+        params.check(self._vocab)
         if len(prompt_ids) >= self._max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
                              f"{self._max_len} positions")
@@ -198,7 +207,8 @@ class LocalEngine:
             return GenerationResult([], [], "length", [], 0)
         loop = asyncio.get_running_loop()
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen)
+        req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
+                       truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits)
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -410,16 +420,59 @@ class LocalEngine:
         common = iter(torch.rand(shared, generator=self._generator).tolist())  # in the requests' order
         uniform = torch.tensor([0.0 if r.params.temperature <= 0 else r.uniform() if r.generator is not None
                                 else next(common) for r in reqs])
-        tokens, logprobs = sample(logits, temperature, top_p, uniform.to(device))
+        extra: dict[str, Any] = {}
+        if any(r.truncates for r in reqs):
+            extra["top_k"] = torch.tensor([r.params.top_k for r in reqs], device=device)
+            extra["min_p"] = torch.tensor([r.params.min_p for r in reqs], device=device)
+        shaped = [i for i, r in enumerate(reqs) if r.shapes]
+        if shaped:
+            extra["shaped"] = self._shaped([reqs[i] for i in shaped], logits, shaped)
+        tokens, logprobs = sample(logits, temperature, top_p, uniform.to(device), **extra)
         self.stats["generated_tokens"] += len(reqs)
         for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
             r.tokens.append(tok)
             r.logprobs.append(lp)
             r.versions.append(version)
+            if r.seen is not None:
+                r.seen[tok] = True
+            if r.counts is not None:
+                r.counts[tok] += 1
             if tok in r.params.stop_token_ids:
                 r.finish = "stop"
             elif len(r.tokens) >= r.max_new:
                 r.finish = "length"
+
+    @staticmethod
+    def _shaped(reqs: list[_Request], logits: torch.Tensor, where: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``where`` [S] of ``logits`` and their shaped logits [S, V] (``sample``'s ``shaped``) for ``reqs``,
+        the requests of those rows, whose penalty state is created at their first token."""
+        dev, vocab = logits.device, logits.shape[1]
+        for r in reqs:
+            p = r.params
+            if p.repetition_penalty != 1.0 and r.seen is None:
+                r.seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                r.seen[torch.tensor([*r.prompt, *r.tokens], device=dev)] = True
+            if (p.presence_penalty or p.frequency_penalty) and r.counts is None:  # (no tokens yet: the first emit)
+                r.counts = torch.zeros(vocab, device=dev)
+
+        def ids(values: list[Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        pairs = [(i, tok, b) for i, r in enumerate(reqs) for tok, b in r.params.logit_bias]
+        bias = None if not pairs else (ids([i for i, _, _ in pairs]), ids([t for _, t, _ in pairs]),
+                                       ids([b for _, _, b in pairs], logits.dtype))
+        stops = [(i, tok) for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens
+                 for tok in r.params.stop_token_ids if tok < vocab]
+        banned = None if not stops else (ids([i for i, _ in stops]), ids([t for _, t in stops]))
+        rep = [(i, r.params.repetition_penalty, r.seen) for i, r in enumerate(reqs) if r.seen is not None]
+        repetition = None if not rep else (ids([i for i, _, _ in rep]), ids([pen for _, pen, _ in rep], logits.dtype),
+                                           torch.stack([seen for _, _, seen in rep]))
+        freq = [(i, r.params, r.counts) for i, r in enumerate(reqs) if r.counts is not None]
+        counts = None if not freq else (
+            ids([i for i, _, _ in freq]), ids([q.presence_penalty for _, q, _ in freq], logits.dtype),
+            ids([q.frequency_penalty for _, q, _ in freq], logits.dtype), torch.stack([n for _, _, n in freq]))
+        return ids(where), shape_logits(logits[ids(where)], bias=bias, banned=banned, repetition=repetition,
+                                        counts=counts)
 
     def _retire(self) -> None:
         """Hand finished (or cancelled) requests back; their caches stay parked for a next turn."""

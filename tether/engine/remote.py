@@ -5,7 +5,8 @@ One ``generate`` is one ``POST {base_url}/completions`` through ``tether.llm.LLM
 rate limits and error taxonomy)::
 
     {"model", "prompt": [ids], "max_tokens", "temperature", "top_p", "seed", "logprobs": 0,
-     "stop_token_ids": [...], "ignore_eos": true, "return_token_ids": true}
+     "stop_token_ids": [...], "ignore_eos": true, "return_token_ids": true,
+     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias"}
     → choices[0]: token_ids, logprobs.token_logprobs, finish_reason, weight_versions, num_preempted
 
 ``logprobs: 0`` asks for the sampled tokens' logprobs only (1 would make ``tether serve`` run a forward pass for
@@ -14,8 +15,11 @@ loop's end-of-turn ids, EOS among them — as the only stops, as ``LocalEngine``
 vLLM extension (``return_token_ids``); a server that only returns ``logprobs.tokens`` as ``token_id:N`` strings
 (vLLM's ``--return-tokens-as-token-ids``) is read too. ``weight_versions`` and ``num_preempted`` are tether's
 extensions: without them every token carries the version pushed when the request was sent, and a request
-counts no preemption. Logprobs are what the server returns; ``tether serve`` returns the engine's
-``log_softmax(logits / T)`` before top-p (``tether.engine.base``), which the learner recomputes.
+counts no preemption. The last seven are sent only when they are on (vLLM's names; ``shaping_fields``).
+Logprobs are what the server returns; ``tether serve`` returns the engine's ``log_softmax(logits / T)`` of the
+unshaped logits before truncation (``tether.engine.base``), which the learner recomputes. vLLM's default
+``logprobs_mode`` (raw_logprobs) is unshaped too, but taken before temperature as well; its processed modes would
+make every penalty show as a behaviour/target mismatch.
 
 Weight sync (``update_weights``, called by the trainer's ``WeightSync`` at every sync) pushes the whole state
 dict and tags it with the version, at the server root (``base_url`` less ``/v1``):
@@ -102,8 +106,7 @@ class RemoteEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params}")
+        params.check()
         max_new = params.max_tokens
         if self.max_model_len is not None:
             if len(prompt_ids) >= self.max_model_len:
@@ -119,6 +122,7 @@ class RemoteEngine:
                                 "return_token_ids": True}
         if params.seed is not None:
             body["seed"] = params.seed
+        body.update(shaping_fields(params, max_new))
         sent_under = self._version
         self._enter()
         try:
@@ -243,6 +247,23 @@ class RemoteEngine:
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         return folder, (folder / "model.safetensors").stat().st_size
+
+
+def shaping_fields(params: SamplingParams, max_new: int) -> dict[str, Any]:
+    """The request fields of ``params``' truncation and shaping parameters that are on, by vLLM's names (a server
+    that does not know them never sees them at their defaults). ``min_tokens`` is clipped to ``max_new``: vLLM refuses
+    a larger one, and the length limit ends the generation first anyway; ``logit_bias`` is OpenAI's map of token id
+    strings to biases."""
+    p, fields = params, {}
+    for name, off in (("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                      ("frequency_penalty", 0.0)):
+        if getattr(p, name) != off:
+            fields[name] = getattr(p, name)
+    if p.min_tokens:
+        fields["min_tokens"] = min(p.min_tokens, max_new)
+    if p.logit_bias:
+        fields["logit_bias"] = {str(tok): bias for tok, bias in p.logit_bias}
+    return fields
 
 
 def unique_tensors(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
