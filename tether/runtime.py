@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,14 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
 
 
 def sampling_params(e: EngineConfig, *, greedy: bool = False) -> SamplingParams:
-    """The engine section's sampling; ``greedy``: temperature 0 (held-out evaluation)."""
-    params = SamplingParams(temperature=e.temperature, top_p=e.top_p, max_tokens=e.max_tokens)
-    return replace(params, temperature=0.0, top_p=1.0) if greedy else params
+    """The engine section's sampling; ``greedy``: the plain argmax of the policy (held-out evaluation), without the
+    truncation (which cannot change it) nor the penalties and min_tokens (which would score a shaped policy, not the
+    one trained and deployed)."""
+    if greedy:
+        return SamplingParams(temperature=0.0, top_p=1.0, max_tokens=e.max_tokens)
+    return SamplingParams(temperature=e.temperature, top_p=e.top_p, max_tokens=e.max_tokens, top_k=e.top_k,
+                          min_p=e.min_p, repetition_penalty=e.repetition_penalty, presence_penalty=e.presence_penalty,
+                          frequency_penalty=e.frequency_penalty, min_tokens=e.min_tokens)
 
 
 def context_window(window: int, max_tokens: int, model_config: Any, where: str = "the model") -> int:

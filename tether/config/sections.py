@@ -192,10 +192,45 @@ class EngineConfig(Section):
     """Nucleus sampling: the probability mass kept, in (0, 1]; 1 = no truncation."""
     max_tokens: PosInt = 64
     """Maximum new tokens per assistant turn, in tokens; a turn cut here is closed with the end-of-turn token."""
+    # The keys below act in rollouts (and sampled ``tether eval``); greedy evaluation decodes the plain argmax without
+    # them. What each does to the behaviour logprob: ``tether.engine.base``.
+    top_k: NonNegInt = 0
+    """Top-k truncation: draw among the k most likely tokens (and any tied with the k-th), in tokens; 0 = off
+    (vLLM's ``top_k``). Like top_p, the recorded logprob is the untruncated one the learner scores (ratio 1 at equal
+    weights), while tokens outside the k are never drawn: a bias no importance ratio sees."""
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Min-p truncation: drop the tokens whose probability (after temperature) is below min_p × the most likely
+    token's, a fraction in [0, 1]; 0 = off (vLLM's ``min_p``). Like top_p, the recorded logprob is the untruncated
+    one the learner scores, while the dropped tokens are never drawn."""
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    """Repetition penalty, a factor > 0 (unitless); 1 = off: the logit of every token already in the prompt or the
+    turn's output is divided by it when positive, multiplied by it when negative (vLLM's and HF's semantics; > 1
+    discourages repeats). Makes rollouts off-policy w.r.t. what the learner scores: tokens are drawn from the
+    penalised logits but recorded with the model's own logprob (the learner cannot recompute a penalty), so the
+    importance ratio stays 1 and nothing corrects the difference."""
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Presence penalty, in logits, in [-2, 2]; 0 = off: subtracted from the logit of every token generated at
+    least once in the turn's output (OpenAI's semantics: the prompt, earlier turns included, does not count).
+    Makes rollouts off-policy w.r.t. what the learner scores (see repetition_penalty)."""
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Frequency penalty, in logits per occurrence, in [-2, 2]; 0 = off: a token's logit loses this once for each
+    time it was generated in the turn's output (OpenAI's semantics). Makes rollouts off-policy w.r.t. what the
+    learner scores (see repetition_penalty)."""
+    min_tokens: NonNegInt = 0
+    """Minimum new tokens per assistant turn, in tokens, at most max_tokens; 0 = off: until a turn has this many,
+    its stop tokens (EOS and the end-of-turn ids, ``tool_parser.stop_token_ids``) cannot be drawn (vLLM's
+    ``min_tokens``). Makes rollouts off-policy w.r.t. what the learner scores: the recorded logprob keeps the
+    stop tokens' share of the probability, which the draw did not have."""
     weight_sync_dir: str | None = None
     """engine.type remote: a folder this process writes and the server reads (shared storage); weights go
     there as safetensors and the server loads them through ``/update_weights_from_disk``. None = in the body of
     ``/update_weights_from_tensor`` (no shared folder needed). tether's own key."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> EngineConfig:
+        _check(self.min_tokens <= self.max_tokens, "min_tokens must be at most max_tokens",
+               min_tokens=self.min_tokens, max_tokens=self.max_tokens)
+        return self
 
 
 # ----------------------------------------------------------------------------- rollout and buffer
