@@ -341,7 +341,7 @@ def test_errors_answer_in_openai_shape(server):
     assert error(openai.BadRequestError, temperature=5)["param"] == "temperature"
     assert error(openai.BadRequestError, extra_body={"best_of_luck": 1})["param"] == "best_of_luck"
     assert error(openai.BadRequestError, top_logprobs=2)["param"] == "top_logprobs"
-    assert error(openai.BadRequestError, presence_penalty=0.5)["param"] == "presence_penalty"
+    assert error(openai.BadRequestError, presence_penalty=2.5)["param"] == "presence_penalty"
     assert error(openai.BadRequestError, max_tokens=10**6)["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as err:
         c.completions.create(model="tiny", prompt=[1, 2, 10**7], max_tokens=2)

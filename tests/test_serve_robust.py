@@ -172,6 +172,49 @@ def test_the_render_cache_is_bounded_in_bytes(loaded, monkeypatch):
     assert all(len(k) < 20000 for k in cache.entries)  # over a sixteenth of the budget: never kept
 
 
+# ------------------------------------------------------------------------------------------- sampling parameters
+
+
+def test_sampling_parameters_act_and_unknown_ones_are_refused(server, loaded):
+    _, tokenizer = loaded
+    c = client(server)
+    prompt = tokenizer.encode("Where is my order", add_special_tokens=False)
+
+    def ids(**kw) -> list[int]:
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=kw.pop("max_tokens", 12),
+                                 extra_body={"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}, **kw)
+        return r.choices[0].model_extra["token_ids"]
+
+    greedy = ids(temperature=0)
+    assert ids(temperature=1, seed=3, extra={"top_k": 1}) == greedy  # top_k = 1 is greedy whatever the temperature
+    assert ids(temperature=1, seed=3, extra={"top_k": -1}) == ids(temperature=1, seed=3)  # vLLM's "off"
+    assert ids(temperature=0, logit_bias={str(greedy[0] + 1): 100})[0] == greedy[0] + 1
+    assert ids(temperature=0, extra={"repetition_penalty": 3.0}, max_tokens=24) != ids(temperature=0, max_tokens=24)
+    assert ids(temperature=0, frequency_penalty=2.0, max_tokens=24) != ids(temperature=0, max_tokens=24)
+
+    # A stop string: cut before it, or kept with include_stop_str_in_output; none before min_tokens.
+    text = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[2:5]
+    assert stop and text.find(stop) == 2
+    cut = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True}).choices[0]
+    kept = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert cut.text == text[:2] and kept.text == text[:5] and cut.finish_reason == kept.finish_reason == "stop"
+    late = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                extra_body={"ignore_eos": True, "min_tokens": 6, "return_token_ids": True}).choices[0]
+    assert late.finish_reason == "stop" and len(late.text) > len(cut.text) and text.startswith(late.text + stop)
+    assert len(late.model_extra["token_ids"]) >= 6
+
+    for extra, param in [({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"), ({"top_k": -2}, "top_k"),
+                         ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+                         ({"min_tokens": 50}, "min_tokens"), ({"min_p": 1.5}, "min_p")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, extra_body=extra)
+        assert err.value.body["param"] == param, (extra, err.value.body)
+
+
 # ------------------------------------------------------------------------------------------------ cancellation
 
 
@@ -252,3 +295,21 @@ def test_a_reachable_host_without_a_key_is_warned_about():
     warning = exposure_warning("0.0.0.0", None, True)
     assert warning is not None and "--api-key-env" in warning and "replace the weights" in warning
     assert exposure_warning("0.0.0.0", KEY, True) is None and exposure_warning("127.0.0.1", None, True) is None
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": 32 << 20}),
+    (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000"],
+     {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000})])
+def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expected):
+    from typer.testing import CliRunner
+
+    from tether.cli import app
+    from tether.serve import server as serve_module
+
+    seen = {}
+    monkeypatch.setattr(serve_module, "serve", lambda *a, **kw: seen.update(kw))
+    result = CliRunner().invoke(app, ["serve", tiny_model, *args])
+    assert result.exit_code == 0, result.output
+    got = {k: (None if seen[k] is None else str(seen[k])) if k == "weights_root" else seen[k] for k in expected}
+    assert got == expected

@@ -2,7 +2,8 @@
 
 Routes (every one but ``/health`` behind the bearer key when ``api_key`` is set):
 
-- ``GET /health`` — liveness, no key needed: ``{"status": "ok", "weight_version": n}``
+- ``GET /health`` — liveness, no key needed: ``{"status": "ok", "weight_version": n, "serve/aborted": k}`` (k:
+  requests whose client left before their answer)
 - ``GET /v1/models``, ``GET /v1/models/{id}`` — the served model and the LoRA adapters loaded (``parent``: its name)
 - ``POST /v1/chat/completions`` — messages (+ ``tools``, ``tool_choice``), streaming, ``n``, logprobs
 - ``POST /v1/completions`` — a prompt as text or token ids; token ids, logprobs and weight versions out;
@@ -423,14 +424,15 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
             gen.check_prompt(prompt, param="messages")
             max_tokens = gen.max_new(req.max_completion_tokens or req.max_tokens, len(prompt))
             stop_ids, strings = gen.stops(req, gen.chat_stop_ids)
-            return prompt, sampling_params(req, max_tokens, stop_ids), strings
+            return prompt, sampling_params(req, max_tokens, stop_ids, gen.vocab_size), strings
 
         prompt, params, strings = await asyncio.to_thread(prepare)
         top_k = (req.top_logprobs or 0) if req.logprobs else 0
-        run = gen.choices(prompt, params, n=req.n, strings=strings, top_k=top_k, skip_special_tokens=False)
+        run = gen.choices(prompt, params, n=req.n, strings=strings, top_k=top_k,
+                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         view = responses.ChatView(gen, parse_tools=bool(tools), first_call_only=req.parallel_tool_calls is False,
-                                  logprobs=req.logprobs)
+                                  logprobs=req.logprobs, skip=req.skip_special_tokens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = responses.chat_stream(view, run, ident=ident, created=now, model=req.model, prompt=prompt,
@@ -460,11 +462,12 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
                 gen.check_prompt(p)
             max_tokens = [gen.max_new(req.max_tokens, len(p)) for p in prompts]
             stop_ids, strings = gen.stops(req, gen.eos_ids)
-            return prompts, [sampling_params(req, m, stop_ids) for m in max_tokens], strings
+            return prompts, [sampling_params(req, m, stop_ids, gen.vocab_size) for m in max_tokens], strings
 
         prompts, params, strings = await asyncio.to_thread(prepare)
         runs = [gen.choices(p, sp, n=req.n, strings=strings, top_k=req.logprobs or 0,
-                            skip_special_tokens=req.skip_special_tokens) for p, sp in zip(prompts, params)]
+                            skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
+                for p, sp in zip(prompts, params)]
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

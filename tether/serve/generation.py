@@ -171,18 +171,20 @@ class Generator:
         return tuple(sorted(ids)), strings
 
     def choices(self, prompt: list[int], params: SamplingParams, *, n: int, strings: list[str], top_k: int,
-                skip_special_tokens: bool) -> list[Coroutine[Any, Any, Choice]]:
+                skip_special_tokens: bool, include_stop: bool = False) -> list[Coroutine[Any, Any, Choice]]:
         """``n`` choices of ``prompt``, one engine request each (choice i seeded ``seed + i``), to be awaited
-        together: the engine batches them with every other request."""
+        together: the engine batches them with every other request. ``include_stop``: vLLM's
+        ``include_stop_str_in_output``, the text keeps the stop string or stop token that ended it."""
         if top_k and self.model is None:
             raise APIError(400, "top_logprobs need the served model's logits; this server's engine has no model",
                            param="top_logprobs")
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [self._choice(prompt, replace(params, seed=s), strings, top_k, skip_special_tokens) for s in seeds]
+        return [self._choice(prompt, replace(params, seed=s), strings, top_k, skip_special_tokens, include_stop)
+                for s in seeds]
 
     async def _choice(self, prompt: list[int], params: SamplingParams, strings: list[str], top_k: int,
-                      skip: bool) -> Choice:
-        choice = self._finish(await self._one(prompt, params), params, strings, skip)
+                      skip: bool, include_stop: bool) -> Choice:
+        choice = self._finish(await self._one(prompt, params), params, strings, skip, include_stop)
         if top_k and choice.token_ids:
             choice.top = await asyncio.to_thread(self._top, prompt, choice.token_ids, params.temperature, top_k)
         elif top_k:
@@ -195,29 +197,34 @@ class Generator:
         except ValueError as e:  # the engine refused the request (prompt length, parameters)
             raise APIError(400, str(e)) from None
 
-    def _finish(self, out: GenerationResult, params: SamplingParams, strings: list[str], skip: bool) -> Choice:
+    def _finish(self, out: GenerationResult, params: SamplingParams, strings: list[str], skip: bool,
+                include_stop: bool = False) -> Choice:
         ids, lps = list(out.token_ids), list(out.logprobs)
         versions = list(out.versions) or [self.engine.version] * len(ids)
         reason: str = out.finish_reason
         stopped_by = ids[-1] if reason == "stop" and ids and ids[-1] in params.stop_token_ids else None
-        text_ids = ids[:-1] if stopped_by is not None else ids
+        text_ids = ids[:-1] if stopped_by is not None and not include_stop else ids
         text = self.tokenizer.decode(text_ids, skip_special_tokens=skip)
         stop_reason: int | str | None = None if stopped_by in self.eos_ids else stopped_by
-        hits = [(text.find(s), s) for s in strings if s in text]
+        # As vLLM: no stop string counts before min_tokens tokens (the engine holds back stop ids until then).
+        floor = len(self.tokenizer.decode(text_ids[:params.min_tokens - 1], skip_special_tokens=skip)) \
+            if params.min_tokens > 1 else 0
+        hits = [(at, s) for s in strings if (at := _find_after(text, s, floor)) >= 0]
         if hits:
             cut, s = min(hits)
-            k = self._first_prefix_with(text_ids, strings, skip)
+            k = self._first_prefix_with(text_ids, strings, skip, floor)
             ids, lps, versions, text_ids = ids[:k], lps[:k], versions[:k], text_ids[:k]
-            text, reason, stop_reason = text[:cut], "stop", s
+            text, reason, stop_reason = text[:cut + len(s) if include_stop else cut], "stop", s
         return Choice(ids, lps, versions, text_ids, text, reason, stop_reason, out.num_preempted)
 
-    def _first_prefix_with(self, ids: list[int], strings: list[str], skip: bool) -> int:
-        """The fewest leading ids whose text contains one of ``strings`` (binary search: containment only grows)."""
+    def _first_prefix_with(self, ids: list[int], strings: list[str], skip: bool, floor: int = 0) -> int:
+        """The fewest leading ids whose text contains one of ``strings`` ending past character ``floor`` (binary
+        search: containment only grows)."""
         lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
             text = self.tokenizer.decode(ids[:mid], skip_special_tokens=skip)
-            if any(s in text for s in strings):
+            if any(_find_after(text, s, floor) >= 0 for s in strings):
                 hi = mid
             else:
                 lo = mid + 1
@@ -292,20 +299,38 @@ class Generator:
         return out
 
 
-def sampling_params(req: Any, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
-    """Refuse the OpenAI fields tether does not implement unless neutral; the engine's SamplingParams."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by tether serve (only 0): the engine samples from the "
-                                f"policy's own distribution, which training relies on", param=name)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by tether serve", param="logit_bias")
+def _find_after(text: str, s: str, floor: int) -> int:
+    """Where ``s`` first occurs in ``text`` ending past character ``floor`` (-1: nowhere)."""
+    return text.find(s, max(0, floor - len(s) + 1))
+
+
+def sampling_params(req: Any, max_tokens: int, stop_ids: tuple[int, ...], vocab_size: int) -> SamplingParams:
+    """The engine's SamplingParams of a request (unset fields at their neutral values); 400 naming a field the engine
+    refuses."""
     if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:  # choice i samples with seed + i
         raise APIError(400, f"seed must be at most {SEED_MAX - req.n + 1} with n = {req.n} (choice i samples with "
                             f"seed + i, a 64-bit integer)", param="seed")
-    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
-                          stop_token_ids=stop_ids, seed=req.seed)
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        bias.append((int(key), float(value)))
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens, stop_token_ids=stop_ids, seed=req.seed,
+        top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        min_tokens=req.min_tokens or 0, logit_bias=tuple(sorted(bias)))
+    if params.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({params.min_tokens}) is more than max_tokens ({max_tokens})",
+                       param="min_tokens")
+    try:
+        params.check(vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return params
 
 
 def _message_dict(m: Any) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """The wire format of ``tether serve``: OpenAI's request and response bodies, plus the vLLM / SGLang fields that
 token-in/token-out training needs, plus tether's own per-token ``weight_versions``.
 
-Requests forbid unknown top-level fields (an answer to a field the server would silently ignore is a lie); a few
-that change nothing here are accepted by name (``user``, ``metadata``, ``store``, ``service_tier``). Fields that
-OpenAI defines but tether does not implement (penalties, ``logit_bias``, ``response_format``, ``echo``, ``suffix``,
+Requests forbid unknown top-level fields (an answer to a field the server would silently ignore is a lie: 400 naming
+it); a few that change nothing here are accepted by name (``user``, ``metadata``, ``store``, ``service_tier``). Every
+sampling parameter of OpenAI and vLLM that the engine implements (``tether.engine.base.SamplingParams``) is accepted
+and acts; fields that OpenAI defines but tether does not implement (``response_format``, ``echo``, ``suffix``,
 ``best_of`` > ``n``) are accepted only at their neutral value; anything else answers 400 naming the field.
 Messages and tools inside a request ignore unknown keys, as OpenAI's own server does: a client that appends a
 response's ``message`` object to its history sends ``refusal``, ``annotations`` and the like.
 
 Extensions, by origin:
 - vLLM: ``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids``), ``stop_token_ids``,
-  ``ignore_eos``, ``skip_special_tokens`` (completions), per-choice ``stop_reason``; a prompt of token ids;
+  ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``,
+  ``skip_special_tokens`` (chat: default false, the text the policy was trained to write and the tool parser reads;
+  completions: default true), per-choice ``stop_reason``; a prompt of token ids;
   ``prompt_logprobs`` (completions, not streamed): each prompt token's log-probability and rank, and the top k at
   each position — how a teacher scores a student's tokens (``tether.teacher``).
 - SGLang: ``/update_weights_from_disk`` and ``/get_weight_version`` bodies.
@@ -107,6 +110,7 @@ class StreamOptions(_Lenient):
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TokenId = Annotated[int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class _Sampling(_Body):
@@ -123,10 +127,15 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    # Accepted only at their neutral value (see the module docstring).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # Sampling parameters of the engine (tether.engine.base.SamplingParams: what each does, in which order).
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # 1 = off
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # no stop (token or string) before this many tokens
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) → bias
+    include_stop_str_in_output: bool = False  # vLLM: the text keeps the stop string or stop token that ended it
     # Accepted and ignored: they change nothing in what is generated.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -144,6 +153,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None = the rest of the model's context
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
     response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool = False  # vLLM's default is true: tether's chat text is the agent loop's
 
 
 class CompletionRequest(_Sampling):

@@ -93,6 +93,7 @@ class ChatView:
     parse_tools: bool
     first_call_only: bool  # parallel_tool_calls: false
     logprobs: bool
+    skip: bool = False  # skip_special_tokens: the text was decoded without special tokens
 
     def message(self, c: Choice) -> tuple[AssistantMessage, str]:
         """The assistant message and finish reason. Text with no valid tool call (a malformed one included) is
@@ -130,7 +131,7 @@ class ChatView:
             yield {"tool_calls": calls}, self.entries(c) if self.logprobs else []
             return
         text, shown, start = c.text, "", 0
-        for j, piece in enumerate(self.gen.pieces(c.text_ids, skip=False)):
+        for j, piece in enumerate(self.gen.pieces(c.text_ids, skip=self.skip)):
             if not piece:
                 continue
             if not text.startswith(shown + piece):  # a stop string cut the text inside this piece
