@@ -85,17 +85,14 @@ def cluster():
         ray.shutdown()
 
 
-def train_on_ray_killing_the_rollouter(cfg, run_dir: Path, ready, timeout_s: float = 500) -> dict:
-    """``train_on_ray(cfg, run_dir)`` while a thread kills the rollouter actor (Ray restarts it, as after a lost node)
-    the first time, once step 1 is logged, its ``stats()`` satisfy ``ready``; returns those stats ({} if never)."""
+def start_killing_the_rollouter(actors: dict, run_dir: Path, ready, timeout_s: float = 500):
+    """A thread that kills the rollouter actor (``actors["rollout"]``; Ray restarts it, as after a lost node) the first
+    time, once step 1 is logged, its ``stats()`` satisfy ``ready``; returns (the thread, the stats it was killed at)."""
     import threading
     import time
 
     import ray
 
-    from tether.distributed.ray_backend import train_on_ray
-
-    actors: dict = {}
     killed: dict = {}
 
     def kill() -> None:
@@ -111,9 +108,37 @@ def train_on_ray_killing_the_rollouter(cfg, run_dir: Path, ready, timeout_s: flo
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
+    return killer, killed
+
+
+def train_on_ray_killing_the_rollouter(cfg, run_dir: Path, ready, timeout_s: float = 500) -> dict:
+    """``train_on_ray(cfg, run_dir)`` under ``start_killing_the_rollouter``; returns the stats it was killed at."""
+    from tether.distributed.ray_backend import train_on_ray
+
+    actors: dict = {}
+    killer, killed = start_killing_the_rollouter(actors, run_dir, ready, timeout_s)
     train_on_ray(cfg, run_dir, show_progress=False, on_start=actors.update)
     killer.join(timeout=5)
     return killed
+
+
+def counted_server(engine, tokenizer, **app_kwargs):
+    """``tether serve``'s app over ``engine`` started in a thread, with ``.calls``: requests per path."""
+    from collections import Counter
+
+    from tether.serve import ServerThread, make_app
+
+    app = make_app(engine, tokenizer, model_name="tiny", **app_kwargs)
+    calls: Counter = Counter()
+
+    @app.middleware("http")
+    async def count(request, call_next):
+        calls[request.url.path] += 1
+        return await call_next(request)
+
+    server = ServerThread(app).start()
+    server.calls = calls
+    return server
 
 
 def group_producer(cfg, rollouter, **kw):

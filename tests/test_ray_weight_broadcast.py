@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL_RUN, read_rows
+from conftest import SMALL_RUN, read_rows, start_killing_the_rollouter
 from tether.config import load_config
 from tether.distributed.weight_transfer import ALIGN, WeightGroup, cut_buckets, flatten, host_store, unflatten
 
@@ -163,31 +163,12 @@ def test_a_restarted_rollout_actor_catches_up_through_the_object_store_and_joins
     """The rollouter actor is killed while step 2's groups are in flight in it: Ray restarts it (token 0); it
     catches up to push 1 through the object store, and push 2 is broadcast in a second group made with the new
     incarnation. Every load, on either path, equals the trainer's weights of its version exactly."""
-    import threading
-    import time
-
-    import ray
-
     run_dir = tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_model, "ray.weight_transfer=nccl", "engine.max_tokens=48")  # long calls: see below
     actors: dict = {}
-    killed: dict = {}
-
-    def kill_mid_step_2() -> None:
-        """Once step 1 is logged (push 1 loaded), kill the actor while groups are in flight in it (48 tokens: a
-        group call lasts several times the stats → kill round trip, as in test_ray_failures)."""
-        deadline = time.monotonic() + 500
-        while time.monotonic() < deadline:
-            if "rollout" in actors and (run_dir / "metrics.jsonl").is_file() and len(read_rows(run_dir)) >= 2:
-                stats = ray.get(actors["rollout"].stats.remote())
-                if stats["in_flight"] > 0:
-                    killed.update(stats)
-                    ray.kill(actors["rollout"], no_restart=False)
-                    return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_mid_step_2, daemon=True)
-    killer.start()
+    # once step 1 is logged (push 1 loaded), while groups are in flight in it (48 tokens: a group call lasts several
+    # times the stats → kill round trip, as in test_ray_failures)
+    killer, killed = start_killing_the_rollouter(actors, run_dir, lambda stats: stats["in_flight"] > 0)
     loads = _train(cfg, run_dir, monkeypatch, on_start=actors.update)
     killer.join(timeout=5)
     assert killed["token"] == 1 and killed["in_flight"] > 0

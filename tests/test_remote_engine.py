@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL_RUN, read_rows
+from conftest import SMALL_RUN, counted_server, read_rows
 from tether.engine.base import SamplingParams
 from tether.engine.local import LocalEngine
 from tether.engine.remote import RemoteEngine, parse_choice
 from tether.learner.model import load_model_and_tokenizer
 from tether.llm import EndpointUnreachable, LLMClient, MalformedResponse
-from tether.serve import ServerThread, make_app
+from tether.serve import ServerThread
 
 TENSOR, DISK, COMPLETIONS = "/update_weights_from_tensor", "/update_weights_from_disk", "/v1/completions"
 
@@ -63,18 +63,9 @@ def serve(tiny_model, tmp_path_factory):
     def start(**engine_kwargs) -> Served:
         model, tokenizer = load_model_and_tokenizer(tiny_model)
         engine = LocalEngine(copy.deepcopy(model).eval(), **engine_kwargs)
-        app = make_app(engine, tokenizer, model_name="tiny", weight_updates=True,
-                       weights_root=tmp_path_factory.getbasetemp())
-        calls: Counter = Counter()
-
-        @app.middleware("http")
-        async def count(request, call_next):
-            calls[request.url.path] += 1
-            return await call_next(request)
-
-        server = ServerThread(app).start()
+        server = counted_server(engine, tokenizer, weight_updates=True, weights_root=tmp_path_factory.getbasetemp())
         started.append((server, engine))
-        return Served(server, engine, model, tokenizer, calls)
+        return Served(server, engine, model, tokenizer, server.calls)
 
     yield start
     for server, engine in started:

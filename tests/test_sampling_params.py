@@ -297,8 +297,11 @@ def flip_runs(tiny_model, tmp_path_factory):
         key = f"{override}{name}"
         if key not in cache:
             run_dir = tmp / (key.replace("=", "-"))
+            # trainer.deterministic: a run repeats bit for bit (else the thread count, chosen by the machine's load,
+            # and which requests share a step move the last bits), so any difference is the flip's
             cfg = load_config([tmp / "run.yaml"], [f"model.path={tiny_model}", "trainer.total_steps=1",
-                                                    "trainer.save_every=0", *([override] if override else [])])
+                                                    "trainer.save_every=0", "trainer.deterministic=true",
+                                                    *([override] if override else [])])
             train(cfg, run_dir, show_progress=False)
             row = read_rows(run_dir)[-1]
             cache[key] = tuple(row[k] for k in OUTCOME), row["optim/is_log_ratio_abs"]

@@ -16,7 +16,6 @@ import asyncio
 import copy
 import json
 import shutil
-from collections import Counter
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import counted_server
 from test_lora import trained
 from tether.config import ConfigError, load_config
 from tether.config.sections import LoraConfig
@@ -34,7 +34,7 @@ from tether.engine.remote import RemoteEngine, state_bytes
 from tether.learner import load_model_and_tokenizer, lora
 from tether.learner.checkpoint import save_checkpoint
 from tether.llm import BadRequest, LLMClient
-from tether.serve import ServerThread, make_app
+from tether.serve import ServerThread
 
 PUSH, TENSOR = "/update_lora_adapter_from_tensor", "/update_weights_from_tensor"
 PROMPTS = [[5, 17, 99, 4, 250, 31], [12, 7, 301, 44], [88, 3, 19, 200, 61, 9, 70]]
@@ -58,16 +58,8 @@ def server(tiny_model, tmp_path_factory):
         model, tokenizer = load_model_and_tokenizer(tiny_model)
         engine = LocalEngine(copy.deepcopy(model))
         kw = {"weight_updates": True, "weights_root": tmp_path_factory.getbasetemp(), **kw}
-        app = make_app(engine, tokenizer, model_name="tiny", **kw)
-        calls: Counter = Counter()
-
-        @app.middleware("http")
-        async def count(request, call_next):
-            calls[request.url.path] += 1
-            return await call_next(request)
-
-        s = ServerThread(app).start()
-        s.calls, s.engine = calls, engine
+        s = counted_server(engine, tokenizer, **kw)
+        s.engine = engine
         started.append((s, engine))
         return s
 
