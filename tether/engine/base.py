@@ -16,6 +16,7 @@ unshaped logprobs too):
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -71,6 +72,30 @@ class GenerationResult:
     finish_reason: FinishReason
     versions: list[int] = field(default_factory=list)  # [N] weight version that produced each token
     num_preempted: int = 0  # times this request was interrupted by a weight swap and resumed
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a streamed generation added since the last delta (``stream_generation``)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+async def stream_generation(engine: InferenceEngine, prompt_ids: list[int],
+                            params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+    """A generation as it grows: ``TokenDelta``s, then the finished ``GenerationResult``. Engines with a ``stream``
+    method (``LocalEngine``) tell each decode step's tokens as the step ends; the others tell them all at the end.
+    Closing the iterator early aborts the generation."""
+    stream = getattr(engine, "stream", None)
+    if stream is None:
+        result = await engine.generate(prompt_ids, params)
+        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+        yield result
+        return
+    async for item in stream(prompt_ids, params):
+        yield item
 
 
 @runtime_checkable

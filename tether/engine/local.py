@@ -56,12 +56,13 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tether.engine.base import FinishReason, GenerationResult, SamplingParams
+from tether.engine.base import FinishReason, GenerationResult, SamplingParams, TokenDelta
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
@@ -89,6 +90,7 @@ class _Request:
     shapes: bool = False  # a logit-shaping parameter on (SamplingParams.shapes_logits)
     seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
     counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
+    grew: asyncio.Event | None = None  # set (in the caller's loop) after each step that added tokens: ``stream``
 
     def uniform(self) -> float:
         """The next uniform of the request's own generator: drawn in blocks (``torch.rand(k)`` is the same stream as k
@@ -115,6 +117,15 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+def _wake(req: _Request) -> None:
+    """Tell a streamed request's caller that it has new tokens (from the worker thread)."""
+    assert req.grew is not None
+    try:
+        req.loop.call_soon_threadsafe(req.grew.set)
+    except RuntimeError:  # the caller's event loop is closed
+        pass
 
 
 def _send(req: _Request, result: Any) -> None:
@@ -196,6 +207,53 @@ class LocalEngine:
         return self._version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        req = self._submit(prompt_ids, params)
+        if isinstance(req, GenerationResult):
+            return req
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """``generate``, told as it goes: the tokens of each step as a ``TokenDelta`` as soon as the step that made
+        them ends, then the finished ``GenerationResult`` (the same as ``generate``'s). Closing the iterator early
+        aborts the request at the next step, as cancelling ``generate`` does."""
+        req = self._submit(prompt_ids, params, streamed=True)
+        if isinstance(req, GenerationResult):
+            yield req
+            return
+        assert req.grew is not None
+        sent = 0
+        try:
+            while True:
+                if not req.future.done():
+                    grew = asyncio.ensure_future(req.grew.wait())
+                    try:
+                        await asyncio.wait([req.future, grew], return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        grew.cancel()
+                    req.grew.clear()
+                if req.future.done():
+                    result = req.future.result()
+                    if len(result.token_ids) > sent:
+                        yield TokenDelta(result.token_ids[sent:], result.logprobs[sent:], result.versions[sent:])
+                    yield result
+                    return
+                n = len(req.versions)  # appended last of the three (_emit), on the worker thread
+                if n > sent:
+                    yield TokenDelta(req.tokens[sent:n], req.logprobs[sent:n], req.versions[sent:n])
+                    sent = n
+        finally:
+            if not req.future.done():
+                req.cancelled = True
+                req.future.cancel()
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, streamed: bool = False
+                ) -> _Request | GenerationResult:
+        """Queue a request (or return the empty result of one that has no room for a token)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         params.check(self._vocab)
@@ -208,17 +266,14 @@ class LocalEngine:
         loop = asyncio.get_running_loop()
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
-                       truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits)
+                       truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
+                       grew=asyncio.Event() if streamed else None)
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
             self._waiting.append(req)
             self._cv.notify()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.cancelled = True
-            raise
+        return req
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Load ``state_dict`` (all or some of the model's keys) at the next step boundary.
@@ -437,6 +492,8 @@ class LocalEngine:
                 r.seen[tok] = True
             if r.counts is not None:
                 r.counts[tok] += 1
+            if r.grew is not None:
+                _wake(r)
             if tok in r.params.stop_token_ids:
                 r.finish = "stop"
             elif len(r.tokens) >= r.max_new:

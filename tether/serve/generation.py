@@ -90,7 +90,7 @@ class Generator:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, *, model: Any = None, parser: str = "hermes",
                  extra_stop_ids: tuple[int, ...] = ()):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
-        self.parse = get_parser(parser)
+        self.parse, self.parser = get_parser(parser), parser
         config = getattr(model, "config", None)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(tokenizer)
@@ -178,9 +178,13 @@ class Generator:
         if top_k and self.model is None:
             raise APIError(400, "top_logprobs need the served model's logits; this server's engine has no model",
                            param="top_logprobs")
-        seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [self._choice(prompt, replace(params, seed=s), strings, top_k, skip_special_tokens, include_stop)
-                for s in seeds]
+        return [self._choice(prompt, p, strings, top_k, skip_special_tokens, include_stop)
+                for p in self.seeded(params, n)]
+
+    @staticmethod
+    def seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """The parameters of ``n`` choices: choice i seeded ``seed + i``."""
+        return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
     async def _choice(self, prompt: list[int], params: SamplingParams, strings: list[str], top_k: int,
                       skip: bool, include_stop: bool) -> Choice:
