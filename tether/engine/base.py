@@ -83,19 +83,20 @@ class TokenDelta:
     versions: list[int]
 
 
-async def stream_generation(engine: InferenceEngine, prompt_ids: list[int],
-                            params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+def stream_generation(engine: InferenceEngine, prompt_ids: list[int],
+                      params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
     """A generation as it grows: ``TokenDelta``s, then the finished ``GenerationResult``. Engines with a ``stream``
     method (``LocalEngine``) tell each decode step's tokens as the step ends; the others tell them all at the end.
     Closing the iterator early aborts the generation."""
     stream = getattr(engine, "stream", None)
-    if stream is None:
-        result = await engine.generate(prompt_ids, params)
-        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
-        yield result
-        return
-    async for item in stream(prompt_ids, params):
-        yield item
+    return stream(prompt_ids, params) if stream is not None else _whole(engine, prompt_ids, params)
+
+
+async def _whole(engine: InferenceEngine, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+    result = await engine.generate(prompt_ids, params)
+    yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+    yield result
 
 
 @runtime_checkable

@@ -90,7 +90,8 @@ class _Request:
     shapes: bool = False  # a logit-shaping parameter on (SamplingParams.shapes_logits)
     seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
     counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
-    grew: asyncio.Event | None = None  # set (in the caller's loop) after each step that added tokens: ``stream``
+    streamed: bool = False  # ``stream``: the caller is woken after each step that added tokens, and at the end
+    waiter: asyncio.Future | None = None  # (streamed) what the caller awaits until then
 
     def uniform(self) -> float:
         """The next uniform of the request's own generator: drawn in blocks (``torch.rand(k)`` is the same stream as k
@@ -120,12 +121,16 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
 
 
 def _wake(req: _Request) -> None:
-    """Tell a streamed request's caller that it has new tokens (from the worker thread)."""
-    assert req.grew is not None
+    """Tell a streamed request's caller that it has new tokens or has ended (from the worker thread)."""
     try:
-        req.loop.call_soon_threadsafe(req.grew.set)
+        req.loop.call_soon_threadsafe(_woken, req)
     except RuntimeError:  # the caller's event loop is closed
         pass
+
+
+def _woken(req: _Request) -> None:
+    if req.waiter is not None and not req.waiter.done():
+        req.waiter.set_result(None)
 
 
 def _send(req: _Request, result: Any) -> None:
@@ -133,7 +138,9 @@ def _send(req: _Request, result: Any) -> None:
     try:
         req.loop.call_soon_threadsafe(_resolve, req.future, result)
     except RuntimeError:  # the caller's event loop is closed; nobody is waiting
-        pass
+        return
+    if req.streamed:
+        _wake(req)
 
 
 class LocalEngine:
@@ -225,17 +232,9 @@ class LocalEngine:
         if isinstance(req, GenerationResult):
             yield req
             return
-        assert req.grew is not None
         sent = 0
         try:
             while True:
-                if not req.future.done():
-                    grew = asyncio.ensure_future(req.grew.wait())
-                    try:
-                        await asyncio.wait([req.future, grew], return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        grew.cancel()
-                    req.grew.clear()
                 if req.future.done():
                     result = req.future.result()
                     if len(result.token_ids) > sent:
@@ -246,6 +245,9 @@ class LocalEngine:
                 if n > sent:
                     yield TokenDelta(req.tokens[sent:n], req.logprobs[sent:n], req.versions[sent:n])
                     sent = n
+                    continue
+                req.waiter = req.loop.create_future()  # (a wake for tokens read above finds it done: harmless)
+                await req.waiter
         finally:
             if not req.future.done():
                 req.cancelled = True
@@ -267,7 +269,7 @@ class LocalEngine:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
                        truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
-                       grew=asyncio.Event() if streamed else None)
+                       streamed=streamed)
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -492,7 +494,7 @@ class LocalEngine:
                 r.seen[tok] = True
             if r.counts is not None:
                 r.counts[tok] += 1
-            if r.grew is not None:
+            if r.streamed:
                 _wake(r)
             if tok in r.params.stop_token_ids:
                 r.finish = "stop"

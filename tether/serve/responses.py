@@ -195,6 +195,13 @@ async def chat_stream(view: ChatView, run: Coros, *, ident: str, created: int, m
 
 async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """(stream index, item) from all ``streams`` as their items come; the streams are closed on exit."""
+    if len(streams) == 1:  # (the common case, without a task and a queue)
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     end = object()
 

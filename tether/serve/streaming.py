@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from tether.engine.base import GenerationResult, SamplingParams, TokenDelta, stream_generation
 from tether.serve.generation import Choice, Generator
 
@@ -35,14 +37,19 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments
 
 
 class Detokenizer:
-    """Text added by each id appended ("" while a multi-byte character is incomplete)."""
+    """Text added by each id appended ("" while a multi-byte character is incomplete): the tokenizers library's
+    ``DecodeStream`` for a fast tokenizer, else a window of the last ids re-decoded."""
 
     def __init__(self, tokenizer: Any, skip: bool):
         self.tokenizer, self.skip = tokenizer, skip
+        self.backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend is not None else None
         self.ids: list[int] = []
         self.prefix = self.read = 0
 
     def add(self, token_id: int) -> str:
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
         self.ids.append(token_id)
         before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
         after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
