@@ -421,7 +421,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         tools = None if choice == "none" else req.tools
 
         def prepare() -> tuple[list[int], Any, list[str]]:  # in a worker: rendering grows with the messages
-            prompt = gen.render_chat(req.messages, tools)
+            prompt = gen.render_chat(req.messages, tools, req.chat_template_kwargs)
             gen.check_prompt(prompt, param="messages")
             max_tokens = gen.max_new(req.max_completion_tokens or req.max_tokens, len(prompt))
             stop_ids, strings = gen.stops(req, gen.chat_stop_ids)

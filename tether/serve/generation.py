@@ -60,6 +60,12 @@ class Choice:
     top: list[list[tuple[int, float]]] | None = None  # [len(token_ids)] (id, logprob) alternatives, best first
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_RENDER_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: the printable character standing for each byte → the byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -114,13 +120,18 @@ class Generator:
             raise APIError(400, f"the prompt has {chars} characters, more than this model's maximum context length of "
                                 f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
 
-    def render_chat(self, messages: list[Any], tools: list[Any] | None) -> list[int]:
+    def render_chat(self, messages: list[Any], tools: list[Any] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        taken = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them",
+                           param="chat_template_kwargs")
         msgs = [_message_dict(m) for m in messages]
         self.check_text(sum(len(m["content"] or "") for m in msgs), "messages")
         schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:  # a prompt longer than the context is refused by check_prompt: not cached
             return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True,
-                              max_cached_len=self.max_model_len)
+                              max_cached_len=self.max_model_len, template_kwargs=template_kwargs)
         except Exception as e:  # noqa: BLE001 — jinja errors: a template that cannot render this conversation
             raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
