@@ -83,13 +83,15 @@ class TokenDelta:
     versions: list[int]
 
 
-def stream_generation(engine: InferenceEngine, prompt_ids: list[int],
-                      params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+def stream_generation(engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
+                      group: Any = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
     """A generation as it grows: ``TokenDelta``s, then the finished ``GenerationResult``. Engines with a ``stream``
     method (``LocalEngine``) tell each decode step's tokens as the step ends; the others tell them all at the end.
-    Closing the iterator early aborts the generation."""
+    Closing the iterator early aborts the generation. ``group``: ``LocalEngine``'s fair-admission group."""
     stream = getattr(engine, "stream", None)
-    return stream(prompt_ids, params) if stream is not None else _whole(engine, prompt_ids, params)
+    if stream is None:
+        return _whole(engine, prompt_ids, params)
+    return stream(prompt_ids, params, group=group) if group is not None else stream(prompt_ids, params)
 
 
 async def _whole(engine: InferenceEngine, prompt_ids: list[int],

@@ -435,14 +435,15 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream and not top_k and (not tools or gen.parser == "hermes"):  # told as the tokens are made
             streams = [ChoiceStream(gen, p, strings, req.skip_special_tokens, req.include_stop_str_in_output,
-                                    tools=bool(tools), first_call_only=req.parallel_tool_calls is False)
+                                    tools=bool(tools), first_call_only=req.parallel_tool_calls is False, group=ident)
                        for p in gen.seeded(params, req.n)]
             body = responses.chat_stream_live(view, streams, ident=ident, created=now, model=req.model,
                                               prompt=prompt, include_usage=include_usage,
                                               return_token_ids=req.return_token_ids)
             return StreamingResponse(counted(body), media_type="text/event-stream")
         run = gen.choices(prompt, params, n=req.n, strings=strings, top_k=top_k,
-                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
+                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                          group=ident)
         if req.stream:
             body = responses.chat_stream(view, run, ident=ident, created=now, model=req.model, prompt=prompt,
                                          include_usage=include_usage, return_token_ids=req.return_token_ids)
@@ -477,16 +478,16 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream and not req.logprobs:  # told as the tokens are made (logprobs 0 included)
-            streams = [ChoiceStream(gen, q, strings, req.skip_special_tokens, req.include_stop_str_in_output)
-                       for sp in params for q in gen.seeded(sp, req.n)]
+            streams = [ChoiceStream(gen, q, strings, req.skip_special_tokens, req.include_stop_str_in_output,
+                                    group=ident) for sp in params for q in gen.seeded(sp, req.n)]
             body = responses.completion_stream_live(gen, streams, prompts, n=req.n, ident=ident, created=now,
                                                     model=req.model, logprobs=req.logprobs is not None,
                                                     return_token_ids=req.return_token_ids,
                                                     include_usage=include_usage)
             return StreamingResponse(counted(body), media_type="text/event-stream")
         runs = [gen.choices(p, sp, n=req.n, strings=strings, top_k=req.logprobs or 0,
-                            skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
-                for p, sp in zip(prompts, params)]
+                            skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                            group=ident) for p, sp in zip(prompts, params)]
         if req.stream:
             body = responses.completion_stream(gen, runs, prompts, n=req.n, ident=ident, created=now,
                                                model=req.model, logprobs=req.logprobs,

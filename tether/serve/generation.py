@@ -22,6 +22,7 @@ arrived during the generation, in which case they are the new weights'.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 from collections.abc import Coroutine
@@ -97,6 +98,7 @@ class Generator:
                  extra_stop_ids: tuple[int, ...] = ()):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.parse, self.parser = get_parser(parser), parser
+        self.grouped = "group" in inspect.signature(engine.generate).parameters  # fair admission (LocalEngine)
         config = getattr(model, "config", None)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(tokenizer)
@@ -182,14 +184,16 @@ class Generator:
         return tuple(sorted(ids)), strings
 
     def choices(self, prompt: list[int], params: SamplingParams, *, n: int, strings: list[str], top_k: int,
-                skip_special_tokens: bool, include_stop: bool = False) -> list[Coroutine[Any, Any, Choice]]:
+                skip_special_tokens: bool, include_stop: bool = False,
+                group: Any = None) -> list[Coroutine[Any, Any, Choice]]:
         """``n`` choices of ``prompt``, one engine request each (choice i seeded ``seed + i``), to be awaited
         together: the engine batches them with every other request. ``include_stop``: vLLM's
-        ``include_stop_str_in_output``, the text keeps the stop string or stop token that ended it."""
+        ``include_stop_str_in_output``, the text keeps the stop string or stop token that ended it. ``group``: the
+        HTTP request's, for the engine's fair admission (``tether.engine.fair_share``)."""
         if top_k and self.model is None:
             raise APIError(400, "top_logprobs need the served model's logits; this server's engine has no model",
                            param="top_logprobs")
-        return [self._choice(prompt, p, strings, top_k, skip_special_tokens, include_stop)
+        return [self._choice(prompt, p, strings, top_k, skip_special_tokens, include_stop, group)
                 for p in self.seeded(params, n)]
 
     @staticmethod
@@ -198,16 +202,18 @@ class Generator:
         return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
     async def _choice(self, prompt: list[int], params: SamplingParams, strings: list[str], top_k: int,
-                      skip: bool, include_stop: bool) -> Choice:
-        choice = self._finish(await self._one(prompt, params), params, strings, skip, include_stop)
+                      skip: bool, include_stop: bool, group: Any = None) -> Choice:
+        choice = self._finish(await self._one(prompt, params, group), params, strings, skip, include_stop)
         if top_k and choice.token_ids:
             choice.top = await asyncio.to_thread(self._top, prompt, choice.token_ids, params.temperature, top_k)
         elif top_k:
             choice.top = []
         return choice
 
-    async def _one(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
+    async def _one(self, prompt: list[int], params: SamplingParams, group: Any = None) -> GenerationResult:
         try:
+            if group is not None and self.grouped:
+                return await self.engine.generate(prompt, params, group=group)  # type: ignore[call-arg]
             return await self.engine.generate(prompt, params)
         except ValueError as e:  # the engine refused the request (prompt length, parameters)
             raise APIError(400, str(e)) from None

@@ -87,6 +87,7 @@ class ChoiceStream:
     include_stop: bool
     tools: bool = False
     first_call_only: bool = False
+    group: Any = None  # the engine's fair-admission group: the HTTP request's
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -232,7 +233,7 @@ async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
                         ) -> AsyncIterator[tuple[dict[str, Any], range] | Choice]:
     """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``."""
     result: GenerationResult | None = None
-    tokens = stream_generation(stream.gen.engine, prompt, stream.params)
+    tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group if stream.gen.grouped else None)
     try:
         async for item in tokens:
             if isinstance(item, GenerationResult):
