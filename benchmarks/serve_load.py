@@ -11,8 +11,8 @@ this process drives it with httpx and reads the server's RSS from ``/proc/PID/st
      connection) and send it again, 3 attempts in all as the openai SDK's default retries do, at random moments of
      the phase;
    - ``--big-senders`` clients each send ``--big-repeats`` chat requests whose body is ``--big-mb`` MB of text, at
-     random moments of the phase (under the default ``--max-request-bytes`` of 32 MiB: read, parsed in a worker and
-     refused as longer than the context without being rendered).
+     random moments of the phase (over the default ``--max-request-bytes`` of the tiny model, 4 MiB: refused with 413
+     from the Content-Length, the body read and dropped unparsed so that the client gets the answer).
 3. end: the server's RSS once the load has stopped (waits up to 10 s for it to settle).
 
 Prints idle and loaded p50/p99 latency and their p99 ratio (goal <= 2), the same for the small requests that
@@ -20,13 +20,16 @@ overlapped no heavy request its client still wanted, the server's RSS at start, 
 start), the abandoned requests the server counted (``serve/aborted`` in ``/health``: those it had begun; a client that
 gives up before the server read its request costs nothing to abort).
 
-Measured on 2 shared CPU cores (the driver, the server's event loop and the engine on the same two): idle p99
-~110 ms; loaded p99 1.7-3 s (ratio 15-20, the goal is not met) while the small requests that overlapped no live heavy
-request stay at p99 1.4-2.6x idle. The tail is the heavy requests' own lifetime, not abandoned work: until its client
-gives up, a heavy request's 32 choices hold the engine's slots, and the engine admits requests first come first
-served, so a small request that arrives behind them waits (fair admission across requests is the engine's to add).
-Abandoned requests leave the engine within one step. RSS ends at 1.06-1.11x its start (before the fixed mmap
-threshold: 1.7-1.85x, thread arenas keeping ~40 MB each after the 20 MB bodies). Usage:
+Measured on 2 shared CPU cores (the driver, its abusive clients, the server's event loop and the engine on the same
+two). Before fair admission (first come, first served): idle p99 ~110 ms, loaded p99 1.7-3 s (ratio 15-20): a heavy
+request's 32 choices held the engine's slots until its client gave up. With fair admission (tether.engine.fair_share):
+heavy requests alone (``--big-senders 0``) p99 ratio 2.5-3.2 (8.0 before); the 20 MB bodies alone 1.76 (2.0-3.5 when
+they were parsed and refused as longer than the context); both
+together 4.6-6.8 when a 413 closed the connection before the body was read, 11-13 when the body is read and dropped
+so that the client reads the 413 (the default now: the driver then sends, and the server reads, 400 MB in ~9 s). The
+requests that overlapped no heavy request its client still wanted stay at 0.7-1.5x idle; the rest pay the decode
+steps of a full batch (64 rows) on two shared cores. The goal (2x) is not met. RSS ends at 1.10-1.12x its start.
+Usage:
 
     python benchmarks/serve_load.py [--threads 2] [--small 200] [--abandoners 32] [--big-senders 4]
 """

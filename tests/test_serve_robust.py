@@ -21,6 +21,7 @@ from tether.agent import chat as agent_chat
 from tether.engine.local import LocalEngine
 from tether.learner.model import load_model_and_tokenizer
 from tether.serve import ServerThread, make_app
+from tether.serve.app import default_request_bytes
 from tether.serve.server import exposure_warning, is_loopback
 
 KEY = "sk-tether-TEST-7a1c0e"
@@ -115,6 +116,15 @@ def test_the_key_is_checked_before_the_body_is_read(loaded):
 
 
 # ---------------------------------------------------------------------------------- size bounds, event loop
+
+
+def test_the_default_bound_follows_the_models_context(loaded):
+    assert default_request_bytes(None) == 32 << 20  # unknown context
+    assert default_request_bytes(4096) == 4 << 20 and default_request_bytes(131072) == 16 << 20
+    model, tokenizer = loaded
+    with LocalEngine(copy.deepcopy(model)) as engine:
+        app = make_app(engine, tokenizer, model_name="tiny")
+        assert app.state.max_request_bytes == default_request_bytes(model.config.max_position_embeddings)
 
 
 def test_a_body_over_the_bound_is_413_and_health_answers_meanwhile(server, loaded):
@@ -316,7 +326,7 @@ def test_a_reachable_host_without_a_key_is_warned_about():
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": 32 << 20}),
+    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None}),
     (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000"],
      {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000})])
 def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expected):

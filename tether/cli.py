@@ -370,9 +370,10 @@ def serve(
         "--weights-root", metavar="FOLDER", help="The folder under which /update_weights_from_disk and "
                                                  "/v1/load_lora_adapter may read (default: CHECKPOINT's parent "
                                                  "folder, e.g. RUN/checkpoints).")] = None,
-    max_request_bytes: Annotated[int, typer.Option(
-        "--max-request-bytes", min=1, help="The largest request body of the JSON routes (413 above it); weight "
-                                           "tensors pushed in a body are not bounded.")] = 32 << 20,
+    max_request_bytes: Annotated[int | None, typer.Option(
+        "--max-request-bytes", min=1, help="The largest request body of the JSON routes (413 above it; default: 128 "
+                                           "bytes per token of the model's context, at least 4 MiB); weight tensors "
+                                           "pushed in a body are not bounded.")] = None,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 

@@ -84,9 +84,18 @@ from tether.serve.streaming import ChoiceStream
 
 log = logging.getLogger(__name__)
 
-# 32 MiB: a full 128k-token context is 0.5-1 MB of text or ~1 MB of token ids as JSON, so this leaves room for a batch
-# of 32 such id lists or large tool schemas, while a body over it is refused after reading at most this many bytes.
-MAX_REQUEST_BYTES = 32 << 20
+# The default bound of a JSON body: 128 bytes per token of the model's context (a full context is ~4-8 bytes a token
+# as text, up to 6x that escaped as JSON, or <= 8 bytes a token as an id list: room for a full prompt with large tool
+# schemas, or a completions batch of 16 full id lists), at least 4 MiB. A body over it cannot hold a prompt the model
+# takes, so it is refused from its Content-Length before a byte is read or parsed (parsing 20 MB of JSON holds the
+# interpreter for ~0.2 s, stalling every request). 32 MiB when the context length is unknown.
+MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN, MAX_REQUEST_BYTES = 4 << 20, 128, 32 << 20
+
+
+def default_request_bytes(max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return MAX_REQUEST_BYTES
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len)
 
 # Routes whose body is a tensor file, not a JSON request (a model's weights: any size), and the weight updates.
 _TENSOR_ROUTES = frozenset({"/update_weights_from_tensor", "/update_lora_adapter_from_tensor"})
@@ -139,6 +148,16 @@ class _Trim:
 
 
 _LARGE_BODY = 4 << 20  # bodies over this are followed by a trim
+# A body over the bound but under this is read (and dropped, a chunk at a time) before the 413 is sent: a client still
+# sending when the connection closes sees a broken connection, not the answer. Larger ones are cut off.
+_DRAIN_BYTES = 64 << 20
+
+
+async def _drain(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
 
 
 class _Gate:
@@ -161,6 +180,8 @@ class _Gate:
             declared = headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self.max_bytes:
                 refusal = self._too_large(int(declared))
+                if int(declared) <= _DRAIN_BYTES:  # read and dropped unparsed, so that the client reads the 413
+                    await _drain(receive)
             else:
                 chunks, size = [], 0
                 while True:
@@ -271,7 +292,7 @@ async def _disconnected(request: Request) -> None:
 def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model: Any = None, parser: str = "hermes",
              extra_stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_loras: int = 4,
              adapter_engine: Callable[[], InferenceEngine] | None = None, weight_updates: bool = False,
-             weights_root: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+             weights_root: str | Path | None = None, max_request_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``.
 
     model: the engine's torch module, for ``max_model_len``, ``top_logprobs`` and ``/update_weights_from_disk``
@@ -287,7 +308,8 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
     weight_updates: allow the weight-update routes (``WEIGHT_ROUTES``) without a key; with a key they are allowed.
     weights_root: the folder under which ``/update_weights_from_disk`` and ``/v1/load_lora_adapter`` read (symlinks
         resolved); None = those two refuse every path.
-    max_request_bytes: the largest body of a JSON route (413 above it).
+    max_request_bytes: the largest body of a JSON route (413 above it); None = ``default_request_bytes`` of the
+        model's context length.
     """
     model = model if model is not None else getattr(engine, "model", None)
     root = None if weights_root is None else Path(weights_root).resolve()
@@ -312,6 +334,9 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
     app.state.generator = gen
     app.state.adapters = loras
     app.state.counters = counters
+    if max_request_bytes is None:
+        max_request_bytes = default_request_bytes(gen.max_model_len)
+    app.state.max_request_bytes = max_request_bytes
     app.add_middleware(_Gate, api_key=api_key, max_bytes=max_request_bytes,
                        weight_updates=weight_updates or api_key is not None, counters=counters, trim=trim)
 

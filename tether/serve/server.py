@@ -25,7 +25,7 @@ from tether.config import RunConfig
 from tether.config.plan import Plan
 from tether.learner.model import load_model_and_tokenizer
 from tether.runtime import local_engine
-from tether.serve.app import MAX_REQUEST_BYTES, make_app
+from tether.serve.app import make_app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -78,7 +78,7 @@ def read_chat_template(path: str | Path) -> str:
 
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
-          weights_root: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> tuple[FastAPI, Any]:
+          weights_root: str | Path | None = None, max_request_bytes: int | None = None) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``). ``max_loras``: LoRA adapters
@@ -126,7 +126,7 @@ def is_loopback(host: str) -> bool:
 def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
-          weights_root: str | Path | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+          weights_root: str | Path | None = None, max_request_bytes: int | None = None,
           log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
     fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``,
