@@ -147,6 +147,23 @@ def _woken(req: _Request) -> None:
         req.waiter.set_result(None)
 
 
+def _woken_all(reqs: list[_Request]) -> None:
+    for req in reqs:
+        _woken(req)
+
+
+def _wake_all(reqs: list[_Request]) -> None:
+    """``_wake`` for many requests, with one call into each caller's event loop (from the worker thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
+    for req in reqs:
+        by_loop.setdefault(req.loop, []).append(req)
+    for loop, some in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_woken_all, some)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+
 def _send(req: _Request, result: Any) -> None:
     """Deliver a result or exception to the request's event loop (from the worker thread)."""
     try:
@@ -218,6 +235,7 @@ class LocalEngine:
         self._queue: deque[_Request] = deque()  # worker-side queue, admitted in order
         self._threads_changed = False  # set_num_threads: the worker applies it before its next step
         self._admitting: list[_Request] = []  # the requests the current step took from the queue
+        self._grown: list[_Request] = []  # streamed requests given tokens in the current step (woken after it)
         self._thread = threading.Thread(target=self._loop, name="tether-local-engine", daemon=True)
         self._thread.start()
 
@@ -374,6 +392,9 @@ class LocalEngine:
                 try:
                     t0 = time.perf_counter()
                     self._step()
+                    if self._grown:  # streamed requests that got tokens this step
+                        _wake_all(self._grown)
+                        self._grown = []
                     # compute time (perf/engine_busy_s); typeshed's Counter holds ints, a Counter holds any number
                     self.stats["busy_s"] += time.perf_counter() - t0  # type: ignore[assignment]
                 except Exception as exc:  # a failed step fails its requests, not the engine
@@ -531,7 +552,7 @@ class LocalEngine:
             if r.counts is not None:
                 r.counts[tok] += 1
             if r.streamed:
-                _wake(r)
+                self._grown.append(r)
             if tok in r.params.stop_token_ids:
                 r.finish = "stop"
             elif len(r.tokens) >= r.max_new:
