@@ -140,6 +140,14 @@ def test_a_bad_response_format_is_a_400_naming_it(server, response_format):
     assert err.value.body["param"] == "response_format"
 
 
+def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_naming_the_tool(server):
+    bad = [TOOLS[0], {"type": "function", "function": {"name": "refund", "parameters": {
+        "type": "object", "properties": {"reason": {"type": "strin"}}}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client(server).chat.completions.create(model="tiny", messages=ASK, tools=bad, tool_choice="required")
+    assert err.value.body["param"] == "tools.1.function.parameters" and "strin" in err.value.body["message"]
+
+
 def test_response_format_with_a_forced_tool_call_is_refused(server):
     with pytest.raises(openai.BadRequestError) as err:
         client(server).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",

@@ -36,10 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 EXTRA = "grammar"  # pyproject's extra that installs xgrammar
+CACHE_BYTES = 256 << 20  # compiled grammars kept per tokenizer (a server's clients send any number of schemas)
 
 
 class GrammarError(ValueError):
-    """A schema or tool definition the grammar library cannot compile; the message says what."""
+    """A schema or tool definition the grammar library cannot compile; the message says what, ``tool`` whose."""
+
+    def __init__(self, message: str, tool: str | None = None):
+        super().__init__(message)
+        self.tool = tool
 
 
 def _xgrammar() -> Any:
@@ -114,9 +119,11 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
             try:
                 compiled = build(xgr, self._compiler)
+            except GrammarError:
+                raise
             except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's schema errors are RuntimeErrors
                 raise GrammarError(_short(e)) from None
         return Grammar(compiled, self.vocab_size, description)
@@ -149,7 +156,7 @@ class Grammars:
                 try:
                     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
                 except RuntimeError as e:
-                    raise GrammarError(f"the parameters of tool {tool.name!r}: {_short(e)}") from None
+                    raise GrammarError(f"the parameters of tool {tool.name!r}: {_short(e)}", tool.name) from None
                 tags.append(TagFormat(begin=f'{_OPEN}\n{{"name": {json.dumps(tool.name)}, "arguments": ',
                                       content=GrammarFormat(grammar=ebnf), end=f"}}\n{_CLOSE}"))
             if required:

@@ -63,8 +63,7 @@ def chat_constraint(req: Any, tools: list[Any] | None, grammars: Grammars, *, pa
     try:
         return grammars.tool_calls(specs, required=forced, parallel=req.parallel_tool_calls is not False)
     except GrammarError as e:
-        name = str(e).partition("tool ")[2].partition(":")[0].strip("'")
-        where = next((f"tools.{i}.function.parameters" for i, t in indexed if t.function.name == name), "tools")
+        where = next((f"tools.{i}.function.parameters" for i, t in indexed if t.function.name == e.tool), "tools")
         raise APIError(400, f"{where}: {e}", param=where) from None
 
 
