@@ -17,9 +17,10 @@ unshaped logprobs too):
 tokens the grammar does not allow next are set to -inf, so the draw is from the allowed tokens only, and the logprob
 recorded is still the unmasked model's. That is the distribution the learner recomputes (it has no grammar state to
 mask with), so the importance ratio is 1 at equal weights; the rollout is off-policy all the same, by the mass the
-mask removed, which nothing corrects for: ``shapes_logits`` is true for it. (vLLM V1 applies its grammar bitmask
-before its sampler, so its recorded logprobs are, as far as we read it, the masked distribution's; tether keeps the
-model's, as for the other shaping parameters.)
+mask removed, which nothing corrects for: ``shapes_logits`` is true for it. (vLLM V1 departs here: its model runner
+applies the grammar bitmask to the logits in place before calling its sampler, so even its ``raw_logprobs`` are the
+masked distribution's — 0 where the grammar allows one token. tether keeps the model's, as for the other shaping
+parameters, so that the learner's recomputation matches at equal weights.)
 """
 
 from __future__ import annotations
