@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 
 import pytest
 
@@ -75,3 +76,15 @@ def test_what_the_grammar_cannot_work_with_is_refused_naming_both_keys(override,
     with pytest.raises(ConfigError) as err:
         load_config([], ["agent_loop.constrained_tool_calls=true", override])
     assert "agent_loop.constrained_tool_calls" in str(err.value) and other in str(err.value)
+
+
+def test_without_xgrammar_the_key_is_refused_when_the_loop_is_built(tiny_model, tmp_path, monkeypatch):
+    (tmp_path / "run.yaml").write_text(SMALL_RUN)
+    cfg = load_config([tmp_path / "run.yaml"], [f"model.path={tiny_model}", "agent_loop.constrained_tool_calls=true"])
+    rt = Runtime.build(cfg)
+    try:
+        monkeypatch.setitem(sys.modules, "xgrammar", None)
+        with pytest.raises(ConfigError, match=r"agent_loop.constrained_tool_calls.*tether\[grammar\]"):
+            rt.loop()
+    finally:
+        rt.close()

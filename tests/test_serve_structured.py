@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -173,3 +174,15 @@ def test_strict_tools_under_auto_constrain_the_calls_the_model_opens(server, tin
     assert all(ch.finish_reason == "tool_calls" and len(valid_calls(ch.message)) == 1 for ch in opened)
     assert sum(len(valid_calls(ch.message)) for ch in loose) <= 2  # the same requests without strict: measured 0
     assert sum("<tool_call>" in (ch.message.content or "") for ch in loose) >= 30  # opened, malformed
+
+
+def test_without_xgrammar_a_constrained_request_is_a_400_naming_the_extra(server, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required")
+    assert err.value.body["param"] == "tool_choice" and "tether[grammar]" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format"
+    assert c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4).choices  # the rest works

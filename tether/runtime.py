@@ -24,7 +24,8 @@ from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
 from tether.config import ConfigError, EngineConfig, LLMClientConfig, PartialRolloutConfig, RunConfig
 from tether.config.plan import Plan
 from tether.engine.base import InferenceEngine, SamplingParams
-from tether.engine.grammar import Grammars
+from tether.engine.grammar import Grammars, GrammarUnavailable
+from tether.engine.grammar import check_available as check_grammar_available
 from tether.engine.local import LocalEngine
 from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
@@ -171,6 +172,10 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
     """The configured agent loop; ``window``: the context window checked against the model (``context_window``)."""
     grammars = None
     if cfg.agent_loop.constrained_tool_calls:  # masks the engine's logits: as wide as its model's (else the tokenizer)
+        try:
+            check_grammar_available()
+        except GrammarUnavailable as e:
+            raise ConfigError(f"`agent_loop.constrained_tool_calls` = true: {e}") from None
         vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
         grammars = Grammars(tokenizer, vocab or len(tokenizer))
     return make_agent_loop(

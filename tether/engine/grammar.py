@@ -47,14 +47,23 @@ class GrammarError(ValueError):
         self.tool = tool
 
 
+class GrammarUnavailable(RuntimeError):
+    """xgrammar is not installed; the message names the extra that installs it."""
+
+
 def _xgrammar() -> Any:
     try:
         import xgrammar  # noqa: PLC0415 — an optional extra, imported when a constrained request first arrives
     except ImportError as e:
-        raise RuntimeError(f"constrained decoding (tool_choice 'required' or a named tool, response_format json, "
-                           f"agent_loop.constrained_tool_calls) needs xgrammar: pip install 'tether[{EXTRA}]' "
-                           f"({e})") from None
+        raise GrammarUnavailable(f"constrained decoding (tool_choice 'required' or a named tool, a strict tool, "
+                                 f"response_format json, agent_loop.constrained_tool_calls) needs xgrammar: "
+                                 f"pip install 'tether[{EXTRA}]' ({e})") from None
     return xgrammar
+
+
+def check_available() -> None:
+    """Raise ``GrammarUnavailable`` now rather than at the first constrained request."""
+    _xgrammar()
 
 
 @dataclass(frozen=True)

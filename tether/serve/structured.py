@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether.engine.grammar import Grammar, GrammarError, Grammars, ToolSpec
+from tether.engine.grammar import Grammar, GrammarError, Grammars, GrammarUnavailable, ToolSpec
 from tether.serve.generation import APIError
 
 HERMES_PARSERS = ("hermes", "function_call_parser")  # the tool parsers that read hermes blocks
@@ -32,7 +32,16 @@ HERMES_PARSERS = ("hermes", "function_call_parser")  # the tool parsers that rea
 
 def chat_constraint(req: Any, tools: list[Any] | None, grammars: Grammars, *, parser: str) -> Grammar | None:
     """The grammar ``req`` asks for (None: unconstrained); ``tools``: the request's tools unless tool_choice is
-    "none". Compiles (milliseconds, cached per schema): call it in a worker thread."""
+    "none". Compiles (milliseconds, cached per schema): call it in a worker thread. A server installed without the
+    ``grammar`` extra answers a constrained request 400 naming the extra and the field that asked for it."""
+    try:
+        return _constraint(req, tools, grammars, parser)
+    except GrammarUnavailable as e:
+        kind = (req.response_format or {}).get("type", "text")
+        raise APIError(400, str(e), param="response_format" if kind != "text" else "tool_choice") from None
+
+
+def _constraint(req: Any, tools: list[Any] | None, grammars: Grammars, parser: str) -> Grammar | None:
     choice = req.tool_choice
     named = None if choice is None or isinstance(choice, str) else choice.function.name
     forced = choice == "required" or named is not None
