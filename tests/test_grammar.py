@@ -76,6 +76,14 @@ def test_greedy_constrained_decoding_is_the_argmax_over_the_allowed_tokens(tiny,
     # By hand, step 0: the compact grammar allows only the tokens that open an object ('{' and '{"')
     first = allowed_after(g, stop, [])
     assert first and {tok.decode([i]) for i in first} <= {"{", '{"'}
+    # ...and the next steps: properties in the schema's order, json.dumps' separators, the pattern's "O-"
+    head = '{"order_id": "O-'
+    for k in range(1, 4):
+        text = tok.decode(out.token_ids[:k])
+        assert head.startswith(text)
+        for i in allowed_after(g, stop, out.token_ids[:k]):
+            more = text + tok.decode([i])
+            assert head.startswith(more) or more.startswith(head), (k, more)
     for t in range(len(out.token_ids)):  # every step: the argmax of the model's logits over what the grammar allows
         allowed = sorted(allowed_after(g, stop, out.token_ids[:t]))
         logits = logits_after(model, prompt + out.token_ids[:t])
