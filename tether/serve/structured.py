@@ -15,6 +15,11 @@ What each field asks for, and the grammar (``tether.engine.grammar``) the engine
   {"schema", "strict"}}``: a JSON document valid under ``schema``; ``strict: true`` also refuses properties the
   schema does not name (OpenAI's strict mode), without it JSON Schema's default allows them.
 
+What the grammar does not change: ``max_tokens`` still ends a generation, inside a call or an object if it comes
+first (``finish_reason: length``, the text as written); a stop string the request gives still cuts the text where it
+matches; logprobs and ``top_logprobs`` are the unmasked model's (``tether.engine.base``), so an alternative listed
+may be one the grammar did not allow.
+
 A schema the grammar library cannot compile is a 400 naming the field (``response_format`` or
 ``tools.<i>.function.parameters``), as is a named tool that is not among ``tools``, a ``response_format`` together
 with a forced or strict tool call, and constrained tool calls under a tool parser that does not read hermes blocks.
