@@ -24,8 +24,9 @@ mode lets it pad with newlines until ``max_tokens``). Schema features xgrammar c
 ``$ref`` that resolves nowhere) raise ``GrammarError`` naming the problem; xgrammar accepts and ignores the
 annotation keywords (``format`` on a string among them), so those are not enforced.
 
-Measured on the tiny model's 2,048-token vocabulary (``benchmarks/grammar_cost.py``): a mask costs tens of
-microseconds per token, and compiling a schema a few milliseconds (cached after the first request).
+Measured on the tiny model's 2,048-token vocabulary, 2 CPU threads (``benchmarks/grammar_cost.py``): 16 µs per token
+to fill and apply a mask, 0.7 µs to accept a token; the first compile for a tokenizer ~60 ms (it reads the
+vocabulary), a schema after that 1-3 ms, then cached.
 """
 
 from __future__ import annotations
