@@ -7,6 +7,7 @@ greedy, end-of-turn ignored, so every request produces exactly its budget on bot
 - server: the real command, ``tether serve MODEL --port 0`` in a subprocess (``OMP_NUM_THREADS=--threads``),
   driven by the official ``openai.AsyncOpenAI`` client from this process: HTTP, JSON, chat-template rendering,
   decoding and tool-call parsing on the server, response parsing in the client.
+- stream: the same server and requests with ``stream: true`` (and ``include_usage``): a chunk per decode step.
 - local: a ``LocalEngine`` (same model, threads and batch size) in this process, each request rendered with the
   chat template and its output decoded, as the agent loop does; no HTTP.
 
@@ -103,7 +104,7 @@ def start_server(path: str, threads: int, max_batch: int, log: Path) -> tuple[su
         time.sleep(0.2)
 
 
-def run_server(port: int, jobs, concurrency: int):
+def run_server(port: int, jobs, concurrency: int, stream: bool = False):
     import httpx
     from openai import AsyncOpenAI
 
@@ -114,16 +115,32 @@ def run_server(port: int, jobs, concurrency: int):
 
             async def run(job) -> int:
                 messages, budget = job
-                r = await client.chat.completions.create(model="bench", messages=messages, tools=TOOLS,
-                                                         max_tokens=budget, temperature=0.0,
-                                                         extra_body={"ignore_eos": True})
-                assert r.usage.completion_tokens == budget, (r.usage.completion_tokens, budget)
-                return r.usage.completion_tokens
+                kw = dict(model="bench", messages=messages, tools=TOOLS, max_tokens=budget, temperature=0.0,
+                          extra_body={"ignore_eos": True})
+                if not stream:
+                    r = await client.chat.completions.create(**kw)
+                    assert r.usage.completion_tokens == budget, (r.usage.completion_tokens, budget)
+                    return r.usage.completion_tokens
+                t0, text, usage = time.perf_counter(), "", None
+                async for chunk in await client.chat.completions.create(**kw, stream=True,
+                                                                        stream_options={"include_usage": True}):
+                    for choice in chunk.choices:
+                        if choice.delta.content and not text:
+                            first_content.append(time.perf_counter() - t0)
+                        text += choice.delta.content or ""
+                    usage = chunk.usage or usage
+                assert usage is not None and usage.completion_tokens == budget, (usage, budget)
+                return usage.completion_tokens
 
             await bounded(jobs[:8], concurrency, run)  # warm-up
             return await bounded(jobs, concurrency, run)
 
-    return asyncio.run(main())
+    first_content: list[float] = []
+    latencies, tokens, wall = asyncio.run(main())
+    if stream:
+        print(f"streamed: first content after {statistics.median(first_content):.2f} s (median) of "
+              f"{statistics.median(latencies):.2f} s per request")
+    return latencies, tokens, wall
 
 
 def summary(name: str, latencies: list[float], tokens: int, wall: float) -> float:
@@ -154,12 +171,15 @@ def main() -> None:
         proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve.log")
         try:
             served = run_server(port, jobs, args.concurrency)
+            streamed = run_server(port, jobs, args.concurrency, stream=True)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     local_rate = summary("local", *local)
     served_rate = summary("server", *served)
+    streamed_rate = summary("stream", *streamed)
     print(f"ratio server/local tokens/s = {served_rate / local_rate:.2f}")
+    print(f"ratio stream/local tokens/s = {streamed_rate / local_rate:.2f}")
 
 
 if __name__ == "__main__":

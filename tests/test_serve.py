@@ -167,7 +167,10 @@ def test_completions_batch_numbering_and_stream(server):
     assert r.usage.completion_tokens == 12
     streamed = list(c.completions.create(model="tiny", prompt=["Where is", "Is SKU-1 in"], n=2, max_tokens=3,
                                          seed=2, stream=True, stream_options={"include_usage": True}))
-    texts = {ch.choices[0].index: ch.choices[0].text for ch in streamed if ch.choices}
+    texts: dict[int, str] = {}
+    for ch in streamed:
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {ch.index: ch.text for ch in r.choices}
     assert streamed[-1].usage.completion_tokens == 12
 
@@ -209,6 +212,22 @@ def test_tool_calls_parsed_as_in_training(loaded):
         assert r2.choices[0].message.content == "It has shipped." and r2.choices[0].finish_reason == "stop"
 
 
+def streamed_calls(chunks) -> dict[int, tuple[str, str, str]]:
+    """index → (id, name, arguments) of streamed tool calls, put together as the OpenAI SDK's clients do: id and name
+    from the call's first delta, the arguments appended from each."""
+    calls: dict[int, tuple[str, str, str]] = {}
+    for ch in chunks:
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if tc.index not in calls:
+                assert tc.id and tc.function.name, "a call's first delta names it"
+                calls[tc.index] = (tc.id, tc.function.name, tc.function.arguments or "")
+            else:
+                assert tc.id is None and tc.function.name is None
+                ident, name, args = calls[tc.index]
+                calls[tc.index] = (ident, name, args + tc.function.arguments)
+    return calls
+
+
 def test_tool_calls_streamed_and_tool_choice(loaded):
     _, tokenizer = loaded
     broken = '<tool_call>\n{"name": "get_order_status", "arguments": {"order_id": }\n</tool_call>'
@@ -216,8 +235,7 @@ def test_tool_calls_streamed_and_tool_choice(loaded):
     with serving(engine, tokenizer) as s:
         c = client(s)
         chunks = list(c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True))
-        calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-        assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        assert [(k, name, json.loads(args)) for k, (_, name, args) in streamed_calls(chunks).items()] == [
             (0, "get_order_status", {"order_id": "O-1234"})]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 

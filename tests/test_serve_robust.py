@@ -207,12 +207,30 @@ def test_sampling_parameters_act_and_unknown_ones_are_refused(server, loaded):
     assert late.finish_reason == "stop" and len(late.text) > len(cut.text) and text.startswith(late.text + stop)
     assert len(late.model_extra["token_ids"]) >= 6
 
-    for extra, param in [({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"), ({"top_k": -2}, "top_k"),
+    for extra, param in [({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                         ({"top_k": -2}, "top_k"),
                          ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"10000000": 1}}, "logit_bias"),
                          ({"min_tokens": 50}, "min_tokens"), ({"min_p": 1.5}, "min_p")]:
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, extra_body=extra)
         assert err.value.body["param"] == param, (extra, err.value.body)
+
+
+def test_chat_template_kwargs_reach_the_template(loaded):
+    model, tokenizer = loaded
+    thinking = copy.deepcopy(tokenizer)  # a template with a variable, as Qwen3's enable_thinking
+    thinking.chat_template = tokenizer.chat_template + "{% if enable_thinking %}<think>\n{% endif %}"
+    with LocalEngine(copy.deepcopy(model)) as engine, ServerThread(make_app(engine, thinking, model_name="tiny")) as s:
+        c = client(s)
+
+        def prompt(**template_kwargs) -> list[int]:
+            extra = {"return_token_ids": True, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})}
+            r = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, temperature=0, extra_body=extra)
+            return r.model_extra["prompt_token_ids"]
+
+        plain, off, on = prompt(), prompt(enable_thinking=False), prompt(enable_thinking=True)
+    assert plain == off and on[:len(plain)] == plain
+    assert thinking.decode(on[len(plain):]) == "<think>\n"
 
 
 # ------------------------------------------------------------------------------------------------ cancellation

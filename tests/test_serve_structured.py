@@ -124,10 +124,21 @@ def test_streaming_a_constrained_request_ends_in_a_valid_call(server):
     chunks = list(client(server).chat.completions.create(
         model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3,
         max_tokens=160, stream=True))
-    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name in SCHEMAS
-    args = json.loads(calls[0].function.arguments)
-    assert jsonschema.Draft202012Validator(SCHEMAS[calls[0].function.name]).is_valid(args)
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for delta in (tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []):
+        if delta.function.name:  # the first delta of a call names it; its arguments may come in pieces
+            names[delta.index] = delta.function.name
+        arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert list(names) == [0] and names[0] in SCHEMAS
+    assert jsonschema.Draft202012Validator(SCHEMAS[names[0]]).is_valid(json.loads(arguments[0]))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    schema = {"type": "json_schema", "json_schema": {"name": "status", "schema": Status.model_json_schema(),
+                                                     "strict": True}}
+    chunks = list(client(server).chat.completions.create(model="tiny", messages=ASK, response_format=schema, seed=3,
+                                                         max_tokens=80, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert isinstance(Status.model_validate_json(text), Status) and chunks[-1].choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("response_format", [

@@ -64,7 +64,8 @@ _render_lock = threading.Lock()
 
 
 def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, *,
-               add_generation_prompt: bool, max_cached_len: int | None = None) -> list[int]:
+               add_generation_prompt: bool, max_cached_len: int | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the chat template applied to ``messages``.
 
     Cached per tokenizer, keyed by the messages, tools and flag as JSON: the episodes of a group share their
@@ -73,8 +74,10 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]
     tokenizer, so a cached one is the one the template would give (``tests/test_speed_equivalence.py``).
     The cache is bounded in bytes (``_RENDER_CACHE_BYTES``, least recently used first out, no entry over a
     sixteenth of it); a rendering of ``max_cached_len`` ids or more is not kept (``tether serve`` refuses it).
+    ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``).
     """
-    key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True, default=repr)
+    key = json.dumps([messages, tools, add_generation_prompt, *([template_kwargs] if template_kwargs else [])],
+                     sort_keys=True, default=repr)
     with _render_lock:
         cache = _render_caches.get(tokenizer)
         if cache is None:
@@ -85,7 +88,7 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]
             return list(hit)
     out = tokenizer.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
-        return_dict=False,
+        return_dict=False, **(template_kwargs or {}),
     )
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in some versions
         out = out["input_ids"]

@@ -25,6 +25,7 @@ parameters, so that the learner's recomputation matches at equal weights.)
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -120,6 +121,33 @@ class GenerationResult:
     finish_reason: FinishReason
     versions: list[int] = field(default_factory=list)  # [N] weight version that produced each token
     num_preempted: int = 0  # times this request was interrupted by a weight swap and resumed
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a streamed generation added since the last delta (``stream_generation``)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+def stream_generation(engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
+                      group: Any = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+    """A generation as it grows: ``TokenDelta``s, then the finished ``GenerationResult``. Engines with a ``stream``
+    method (``LocalEngine``) tell each decode step's tokens as the step ends; the others tell them all at the end.
+    Closing the iterator early aborts the generation. ``group``: ``LocalEngine``'s fair-admission group."""
+    stream = getattr(engine, "stream", None)
+    if stream is None:
+        return _whole(engine, prompt_ids, params)
+    return stream(prompt_ids, params, group=group) if group is not None else stream(prompt_ids, params)
+
+
+async def _whole(engine: InferenceEngine, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+    result = await engine.generate(prompt_ids, params)
+    yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+    yield result
 
 
 @runtime_checkable

@@ -11,7 +11,10 @@ One step of the worker loop:
      once they have all finished (new requests wait meanwhile, so every generation has one version);
   2. admit queued requests (up to ``max_batch`` running, ``max_prefill_tokens`` padded new tokens per
      step), each starting from the longest cached prefix (a previous turn's cache, a shared system
-     prompt; see ``prefix_cache.py``); prefill them as one batch and sample their first token;
+     prompt; see ``prefix_cache.py``); prefill them as one batch and sample their first token. The order is
+     fair across groups of requests (``fair_share.py``: the group running fewest first, and a group above its
+     share of a full batch interrupted for one below it); requests without a group, as rollouts', are admitted
+     first come, first served;
   3. one decode step for every running request; finished requests leave at once.
 Sampling (``sampling.py``) is one batched call per step. The truncation parameters (top_k, min_p) ride in it;
 the logit-shaping ones (penalties, logit_bias, min_tokens) are computed on the rows that have them only, from
@@ -58,12 +61,14 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams
+from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams, TokenDelta
+from tether.engine.fair_share import next_index, victims
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
@@ -92,6 +97,18 @@ class _Request:
     seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
     counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
     matcher: ConstraintMatcher | None = None  # its grammar's state (params.constraint), advanced with each token
+    group: Any = None  # fair admission's group (tether.engine.fair_share); None: the request alone
+    streamed: bool = False  # ``stream``: the caller is woken after each step that added tokens, and at the end
+    waiter: asyncio.Future | None = None  # (streamed) what the caller awaits until then
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = self
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens before the next one: the prompt, and the tokens of a request interrupted by fair admission."""
+        return self.prompt + self.tokens if self.tokens else self.prompt
 
     def uniform(self) -> float:
         """The next uniform of the request's own generator: drawn in blocks (``torch.rand(k)`` is the same stream as k
@@ -120,12 +137,27 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
+def _wake(req: _Request) -> None:
+    """Tell a streamed request's caller that it has new tokens or has ended (from the worker thread)."""
+    try:
+        req.loop.call_soon_threadsafe(_woken, req)
+    except RuntimeError:  # the caller's event loop is closed
+        pass
+
+
+def _woken(req: _Request) -> None:
+    if req.waiter is not None and not req.waiter.done():
+        req.waiter.set_result(None)
+
+
 def _send(req: _Request, result: Any) -> None:
     """Deliver a result or exception to the request's event loop (from the worker thread)."""
     try:
         req.loop.call_soon_threadsafe(_resolve, req.future, result)
     except RuntimeError:  # the caller's event loop is closed; nobody is waiting
-        pass
+        return
+    if req.streamed:
+        _wake(req)
 
 
 class LocalEngine:
@@ -198,7 +230,51 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, group: Any = None) -> GenerationResult:
+        """``group``: requests asked for together (one caller's), admitted fairly against other groups
+        (``tether.engine.fair_share``); None: a group of its own."""
+        req = self._submit(prompt_ids, params, group=group)
+        if isinstance(req, GenerationResult):
+            return req
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
+                     group: Any = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """``generate``, told as it goes: the tokens of each step as a ``TokenDelta`` as soon as the step that made
+        them ends, then the finished ``GenerationResult`` (the same as ``generate``'s). Closing the iterator early
+        aborts the request at the next step, as cancelling ``generate`` does."""
+        req = self._submit(prompt_ids, params, group=group, streamed=True)
+        if isinstance(req, GenerationResult):
+            yield req
+            return
+        sent = 0
+        try:
+            while True:
+                if req.future.done():
+                    result = req.future.result()
+                    if len(result.token_ids) > sent:
+                        yield TokenDelta(result.token_ids[sent:], result.logprobs[sent:], result.versions[sent:])
+                    yield result
+                    return
+                n = len(req.versions)  # appended last of the three (_emit), on the worker thread
+                if n > sent:
+                    yield TokenDelta(req.tokens[sent:n], req.logprobs[sent:n], req.versions[sent:n])
+                    sent = n
+                    continue
+                req.waiter = req.loop.create_future()  # (a wake for tokens read above finds it done: harmless)
+                await req.waiter
+        finally:
+            if not req.future.done():
+                req.cancelled = True
+                req.future.cancel()
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, group: Any = None, streamed: bool = False
+                ) -> _Request | GenerationResult:
+        """Queue a request (or return the empty result of one that has no room for a token)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         params.check(self._vocab)
@@ -212,17 +288,14 @@ class LocalEngine:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
                        truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
+                       group=group, streamed=streamed,
                        matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
             self._waiting.append(req)
             self._cv.notify()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.cancelled = True
-            raise
+        return req
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Load ``state_dict`` (all or some of the model's keys) at the next step boundary.
@@ -356,29 +429,36 @@ class LocalEngine:
         starts: list[int] = []
         widest = 0
         draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
+        if (self._queue and len(slots.running) >= self.max_batch and not draining and self.partial_rollout
+                and not self.deterministic):
+            self._interrupt(victims(self._queue, slots.running, self.max_batch))
+        counts = Counter(r.group for r in slots.running)
         while self._queue and len(slots.running) < self.max_batch and not draining:
-            req = self._queue[0]
+            i = next_index(self._queue, counts)
+            req = self._queue[i]
             if req.cancelled:
-                self._queue.popleft()
+                del self._queue[i]
                 continue
-            entry, cached = slots.lookup(req.prompt)
-            widest_next = max(widest, len(req.prompt) - cached)
+            context = req.context
+            entry, cached = slots.lookup(context)
+            widest_next = max(widest, len(context) - cached)
             if new and (len(new) + 1) * widest_next > self.max_prefill_tokens:
                 break
-            self._queue.popleft()
+            del self._queue[i]
             new.append(req)
+            counts[req.group] += 1
             starts.append(slots.place(req, entry, cached))
             widest = widest_next
         if new:
             first = len(slots.running) - len(new)
             # When every new prompt is cached but its last token (a group's samples after the first), that token is
             # their input to this step's decode: no prefill call for them.
-            tail_only = all(0 < st == len(r.prompt) - 1 for r, st in zip(new, starts))
+            tail_only = all(0 < st == len(r.context) - 1 for r, st in zip(new, starts))
             for a, b in self._batches(len(new)) if not tail_only else ():
-                logits = self._runner.prefill([r.prompt for r in new[a:b]], list(range(first + a, first + b)),
+                logits = self._runner.prefill([r.context for r in new[a:b]], list(range(first + a, first + b)),
                                               starts[a:b])
                 self._emit(new[a:b], logits, version)
-            self.stats["prompt_tokens"] += sum(len(r.prompt) for r in new)
+            self.stats["prompt_tokens"] += sum(len(r.context) for r in new)
             self.stats["cached_prompt_tokens"] += sum(starts)
             for req in new:
                 slots.index(req)
@@ -392,6 +472,19 @@ class LocalEngine:
                 logits = self._runner.decode(inputs, first=a, shared=shared)
                 self._emit(running[a:b], logits, version)
             self._retire()
+
+    def _interrupt(self, reqs: list[_Request]) -> None:
+        """Fair admission's interruption: park ``reqs``' caches and queue them first again, their tokens kept."""
+        if not reqs:
+            return
+        chosen = set(map(id, reqs))
+        done = [id(r) in chosen for r in self._slots.running]
+        order = [r for r in self._slots.running if id(r) in chosen]
+        self._slots.retire(done, park=done)
+        for r in reversed(order):
+            r.num_preempted += 1
+            self._queue.appendleft(r)
+        self.stats["fair_interruptions"] += len(order)
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
         """Row ranges [a, b) of the n requests at hand that one forward computes: all of them together,
@@ -443,6 +536,8 @@ class LocalEngine:
                 r.counts[tok] += 1
             if r.matcher is not None:
                 r.matcher.accept(tok)
+            if r.streamed:
+                _wake(r)
             if tok in r.params.stop_token_ids or (r.matcher is not None and r.matcher.terminated):
                 r.finish = "stop"
             elif len(r.tokens) >= r.max_new:

@@ -85,6 +85,7 @@ from tether.serve.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
+from tether.serve.streaming import ChoiceStream
 
 log = logging.getLogger(__name__)
 
@@ -420,7 +421,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
 
         def prepare() -> tuple[list[int], Any, list[str]]:  # in a worker: rendering grows with the messages
             grammar = structured.chat_constraint(req, tools, grammars, parser=parser)  # compiling, too
-            prompt = gen.render_chat(req.messages, tools)
+            prompt = gen.render_chat(req.messages, tools, req.chat_template_kwargs)
             gen.check_prompt(prompt, param="messages")
             max_tokens = gen.max_new(req.max_completion_tokens or req.max_tokens, len(prompt))
             stop_ids, strings = gen.stops(req, gen.chat_stop_ids)
@@ -429,13 +430,22 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
 
         prompt, params, strings = await asyncio.to_thread(prepare)
         top_k = (req.top_logprobs or 0) if req.logprobs else 0
-        run = gen.choices(prompt, params, n=req.n, strings=strings, top_k=top_k,
-                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         view = responses.ChatView(gen, parse_tools=bool(tools), first_call_only=req.parallel_tool_calls is False,
                                   logprobs=req.logprobs, skip=req.skip_special_tokens)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream and not top_k and (not tools or gen.parser == "hermes"):  # told as the tokens are made
+            streams = [ChoiceStream(gen, p, strings, req.skip_special_tokens, req.include_stop_str_in_output,
+                                    tools=bool(tools), first_call_only=req.parallel_tool_calls is False, group=ident)
+                       for p in gen.seeded(params, req.n)]
+            body = responses.chat_stream_live(view, streams, ident=ident, created=now, model=req.model,
+                                              prompt=prompt, include_usage=include_usage,
+                                              return_token_ids=req.return_token_ids)
+            return StreamingResponse(counted(body), media_type="text/event-stream")
+        run = gen.choices(prompt, params, n=req.n, strings=strings, top_k=top_k,
+                          skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                          group=ident)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = responses.chat_stream(view, run, ident=ident, created=now, model=req.model, prompt=prompt,
                                          include_usage=include_usage, return_token_ids=req.return_token_ids)
             return StreamingResponse(counted(body), media_type="text/event-stream")
@@ -466,12 +476,20 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
             return prompts, [sampling_params(req, m, stop_ids, gen.vocab_size) for m in max_tokens], strings
 
         prompts, params, strings = await asyncio.to_thread(prepare)
-        runs = [gen.choices(p, sp, n=req.n, strings=strings, top_k=req.logprobs or 0,
-                            skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output)
-                for p, sp in zip(prompts, params)]
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream and not req.logprobs:  # told as the tokens are made (logprobs 0 included)
+            streams = [ChoiceStream(gen, q, strings, req.skip_special_tokens, req.include_stop_str_in_output,
+                                    group=ident) for sp in params for q in gen.seeded(sp, req.n)]
+            body = responses.completion_stream_live(gen, streams, prompts, n=req.n, ident=ident, created=now,
+                                                    model=req.model, logprobs=req.logprobs is not None,
+                                                    return_token_ids=req.return_token_ids,
+                                                    include_usage=include_usage)
+            return StreamingResponse(counted(body), media_type="text/event-stream")
+        runs = [gen.choices(p, sp, n=req.n, strings=strings, top_k=req.logprobs or 0,
+                            skip_special_tokens=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                            group=ident) for p, sp in zip(prompts, params)]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = responses.completion_stream(gen, runs, prompts, n=req.n, ident=ident, created=now,
                                                model=req.model, logprobs=req.logprobs,
                                                return_token_ids=req.return_token_ids, include_usage=include_usage)

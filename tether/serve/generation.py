@@ -22,6 +22,7 @@ arrived during the generation, in which case they are the new weights'.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 from collections.abc import Coroutine
@@ -60,6 +61,12 @@ class Choice:
     top: list[list[tuple[int, float]]] | None = None  # [len(token_ids)] (id, logprob) alternatives, best first
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_RENDER_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: the printable character standing for each byte → the byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -90,7 +97,8 @@ class Generator:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, *, model: Any = None, parser: str = "hermes",
                  extra_stop_ids: tuple[int, ...] = ()):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
-        self.parse = get_parser(parser)
+        self.parse, self.parser = get_parser(parser), parser
+        self.grouped = "group" in inspect.signature(engine.generate).parameters  # fair admission (LocalEngine)
         config = getattr(model, "config", None)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(tokenizer)
@@ -114,14 +122,19 @@ class Generator:
             raise APIError(400, f"the prompt has {chars} characters, more than this model's maximum context length of "
                                 f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
 
-    def render_chat(self, messages: list[Any], tools: list[Any] | None) -> list[int]:
+    def render_chat(self, messages: list[Any], tools: list[Any] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        taken = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them",
+                           param="chat_template_kwargs")
         msgs = [_message_dict(m) for m in messages]
         self.check_text(sum(len(m["content"] or "") for m in msgs), "messages")
         # strict is the server's (tether.serve.structured), not the prompt's: rendered as training rendered the tools
         schemas = [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools] if tools else None
         try:  # a prompt longer than the context is refused by check_prompt: not cached
             return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True,
-                              max_cached_len=self.max_model_len)
+                              max_cached_len=self.max_model_len, template_kwargs=template_kwargs)
         except Exception as e:  # noqa: BLE001 — jinja errors: a template that cannot render this conversation
             raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
@@ -172,28 +185,36 @@ class Generator:
         return tuple(sorted(ids)), strings
 
     def choices(self, prompt: list[int], params: SamplingParams, *, n: int, strings: list[str], top_k: int,
-                skip_special_tokens: bool, include_stop: bool = False) -> list[Coroutine[Any, Any, Choice]]:
+                skip_special_tokens: bool, include_stop: bool = False,
+                group: Any = None) -> list[Coroutine[Any, Any, Choice]]:
         """``n`` choices of ``prompt``, one engine request each (choice i seeded ``seed + i``), to be awaited
         together: the engine batches them with every other request. ``include_stop``: vLLM's
-        ``include_stop_str_in_output``, the text keeps the stop string or stop token that ended it."""
+        ``include_stop_str_in_output``, the text keeps the stop string or stop token that ended it. ``group``: the
+        HTTP request's, for the engine's fair admission (``tether.engine.fair_share``)."""
         if top_k and self.model is None:
             raise APIError(400, "top_logprobs need the served model's logits; this server's engine has no model",
                            param="top_logprobs")
-        seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [self._choice(prompt, replace(params, seed=s), strings, top_k, skip_special_tokens, include_stop)
-                for s in seeds]
+        return [self._choice(prompt, p, strings, top_k, skip_special_tokens, include_stop, group)
+                for p in self.seeded(params, n)]
+
+    @staticmethod
+    def seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """The parameters of ``n`` choices: choice i seeded ``seed + i``."""
+        return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
     async def _choice(self, prompt: list[int], params: SamplingParams, strings: list[str], top_k: int,
-                      skip: bool, include_stop: bool) -> Choice:
-        choice = self._finish(await self._one(prompt, params), params, strings, skip, include_stop)
+                      skip: bool, include_stop: bool, group: Any = None) -> Choice:
+        choice = self._finish(await self._one(prompt, params, group), params, strings, skip, include_stop)
         if top_k and choice.token_ids:
             choice.top = await asyncio.to_thread(self._top, prompt, choice.token_ids, params.temperature, top_k)
         elif top_k:
             choice.top = []
         return choice
 
-    async def _one(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
+    async def _one(self, prompt: list[int], params: SamplingParams, group: Any = None) -> GenerationResult:
         try:
+            if group is not None and self.grouped:
+                return await self.engine.generate(prompt, params, group=group)  # type: ignore[call-arg]
             return await self.engine.generate(prompt, params)
         except ValueError as e:  # the engine refused the request (prompt length, parameters)
             raise APIError(400, str(e)) from None

@@ -156,6 +156,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool = False  # vLLM's default is true: tether's chat text is the agent loop's
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (enable_thinking, ...)
 
 
 class CompletionRequest(_Sampling):

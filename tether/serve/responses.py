@@ -2,9 +2,11 @@
 
 Streaming follows OpenAI's chunk format (``chat.completion.chunk`` / ``text_completion`` objects as ``data:`` lines,
 a ``data: [DONE]`` line last, the usage in a last chunk with no choices when ``stream_options.include_usage``).
-The engine protocol returns a generation when it is finished, so a stream sends each choice's role chunk at
-once and its text when the choice is done (token by token, each token with its logprobs), choices in the order
-they finish. A failure after the stream has started is sent as one ``data: {"error": ...}`` line before
+``chat_stream_live`` and ``completion_stream_live`` send each decode step's text as the engine makes it
+(``tether.serve.streaming``); ``chat_stream`` and ``completion_stream`` send a choice's text when it is done
+(token by token, each token with its logprobs), choices in the order they finish: for top_logprobs, which come from
+a forward pass over the finished choice, and for tool-call formats other than hermes. A failure after the stream
+has started is sent as one ``data: {"error": ...}`` line before
 ``[DONE]``, as vLLM does.
 """
 
@@ -32,6 +34,7 @@ from tether.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from tether.serve.streaming import ChoiceStream, choice_deltas
 
 Coros = list[Coroutine[Any, Any, Choice]]
 
@@ -111,14 +114,17 @@ class ChatView:
 
     def entries(self, c: Choice, start: int = 0, stop: int | None = None) -> list[TokenLogprob]:
         """Logprob entries of the shown tokens ``start:stop`` (the final stop id is not shown)."""
-        stop = len(c.text_ids) if stop is None else stop
+        return self.token_entries(c.text_ids, c.logprobs, range(start, len(c.text_ids) if stop is None else stop),
+                                  c.top)
+
+    def token_entries(self, ids: list[int], logprobs: list[float], which: range,
+                      top: list[list[tuple[int, float]]] | None = None) -> list[TokenLogprob]:
         out = []
-        for j in range(start, stop):
-            tid = c.text_ids[j]
-            top = [TopLogprob(token=self.gen.token_text(i), logprob=v, bytes=self.gen.token_bytes(i))
-                   for i, v in (c.top[j] if c.top else [])]
-            out.append(TokenLogprob(token=self.gen.token_text(tid), logprob=c.logprobs[j],
-                                    bytes=self.gen.token_bytes(tid), top_logprobs=top))
+        for j in which:
+            alternatives = [TopLogprob(token=self.gen.token_text(i), logprob=v, bytes=self.gen.token_bytes(i))
+                            for i, v in (top[j] if top else [])]
+            out.append(TokenLogprob(token=self.gen.token_text(ids[j]), logprob=logprobs[j],
+                                    bytes=self.gen.token_bytes(ids[j]), top_logprobs=alternatives))
         return out
 
     def deltas(self, c: Choice) -> Iterator[tuple[dict[str, Any], list[TokenLogprob]]]:
@@ -187,6 +193,76 @@ async def chat_stream(view: ChatView, run: Coros, *, ident: str, created: int, m
     yield "data: [DONE]\n\n"
 
 
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from all ``streams`` as their items come; the streams are closed on exit."""
+    if len(streams) == 1:  # (the common case, without a task and a queue)
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, items: AsyncIterator[Any]) -> None:
+        try:
+            async for item in items:
+                await queue.put((i, item))
+            await queue.put((i, end))
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each closes its engine request
+
+
+async def chat_stream_live(view: ChatView, streams: list[ChoiceStream], *, ident: str, created: int, model: str,
+                           prompt: list[int], include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+    """``chat_stream`` as the tokens are made (``tether.serve.streaming``)."""
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices, **extra})
+
+    done: list[Choice] = []
+    try:
+        for i in range(len(streams)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for i, item in _merged([choice_deltas(s, prompt, view) for s in streams]):
+            if isinstance(item, Choice):
+                done.append(item)
+                final = _chat_choice(view, i, item, return_token_ids)
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason,
+                              "stop_reason": item.stop_reason, "token_ids": final.token_ids,
+                              "weight_versions": item.versions, "num_preempted": item.num_preempted}])
+                continue
+            delta, which = item
+            s = streams[i]
+            logprobs = {"content": [e.model_dump() for e in view.token_entries(s.tokens, s.logprobs, which)]} \
+                if view.logprobs else None
+            yield chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+        if include_usage:
+            yield chunk([], usage=_usage(len(prompt), done).model_dump(),
+                        **({"prompt_token_ids": prompt} if return_token_ids else {}))
+    except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
+        yield _error_event(e)
+    yield "data: [DONE]\n\n"
+
+
 # ----------------------------------------------------------------------------------------------- completions
 
 
@@ -240,6 +316,46 @@ async def completion_stream(gen: Generator, runs: list[Coros], prompts: list[lis
         async for p, i, c in _as_finished(runs):
             completion += len(c.token_ids)
             yield chunk([_completion_choice(gen, p * n + i, c, prompts[p], logprobs, return_token_ids).model_dump()])
+        if include_usage:
+            prompt_tokens = sum(map(len, prompts))
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                          total_tokens=prompt_tokens + completion)
+            yield chunk([], usage=usage.model_dump())
+    except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
+        yield _error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+async def completion_stream_live(gen: Generator, streams: list[ChoiceStream], prompts: list[list[int]], *, n: int,
+                                 ident: str, created: int, model: str, logprobs: bool, return_token_ids: bool,
+                                 include_usage: bool) -> AsyncIterator[str]:
+    """``completion_stream`` as the tokens are made: stream ``p * n + i`` is choice i of prompt p."""
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": ident, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices, **extra})
+
+    completion, offsets = 0, [0] * len(streams)
+    try:
+        items = _merged([choice_deltas(s, prompts[j // n], None) for j, s in enumerate(streams)])
+        async for j, item in items:
+            if isinstance(item, Choice):
+                completion += len(item.token_ids)
+                yield chunk([{"index": j, "text": "", "logprobs": None, "finish_reason": item.finish_reason,
+                              "stop_reason": item.stop_reason, "weight_versions": item.versions,
+                              "num_preempted": item.num_preempted,
+                              **({"prompt_token_ids": prompts[j // n], "token_ids": item.token_ids}
+                                 if return_token_ids else {})}])
+                continue
+            delta, which = item
+            s, text = streams[j], delta.get("content", "")
+            lp = None
+            if logprobs:
+                tokens = [gen.token_text(s.tokens[k]) for k in which]
+                at = offsets[j]
+                lp = {"tokens": tokens, "token_logprobs": [s.logprobs[k] for k in which], "top_logprobs": None,
+                      "text_offset": [at + sum(map(len, tokens[:m])) for m in range(len(tokens))]}
+            offsets[j] += len(text)
+            yield chunk([{"index": j, "text": text, "logprobs": lp, "finish_reason": None}])
         if include_usage:
             prompt_tokens = sum(map(len, prompts))
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,

@@ -1,0 +1,110 @@
+"""Fair admission across request groups (tether.engine.fair_share) and the LocalEngine's interruptions.
+
+The policy's decisions are checked on hand-built queues; the engine's on the tests' tiny model: a group holding
+every slot is interrupted for a later group's request, which then finishes while the first group is still running,
+and every interrupted request resumes to the tokens it gets without contention (the same seeded draws; logprobs
+within float noise: the resumed step's logits come from a prefill, not a decode). Requests without a group are
+admitted first come, first served, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from tether.engine.base import SamplingParams
+from tether.engine.fair_share import next_index, share, victims
+from tether.engine.local import LocalEngine
+from tether.learner.model import load_model_and_tokenizer
+
+
+@dataclass(eq=False)
+class Req:
+    group: str
+    cancelled: bool = False
+
+
+def test_share_and_the_next_request_is_the_first_of_the_group_running_fewest():
+    assert (share(3, 8), share(0, 8), share(20, 8)) == (2, 8, 1)
+    queue = [Req("a"), Req("a"), Req("b"), Req("c")]
+    assert next_index(queue, Counter({"a": 3, "b": 1, "c": 1})) == 2  # b and c tie: b came first
+    assert next_index(queue, Counter({"a": 3, "b": 2, "c": 1})) == 3
+    assert next_index(queue, Counter()) == 0  # nobody running: first come, first served
+
+
+def test_victims_are_taken_from_the_groups_above_their_share_only():
+    running = [Req("heavy") for _ in range(6)] + [Req("mid"), Req("mid")]
+    # 8 slots, all taken; 3 groups -> share 2. One small request waits: one heavy request (the latest) goes.
+    small = [Req("small")]
+    assert victims(small, running, 8) == [running[5]]
+    # three small requests wait: small is entitled to 2 -> two heavy ones go, mid (at its share) keeps its 2
+    assert victims([Req("small") for _ in range(3)], running, 8) == [running[5], running[4]]
+    # a free slot for the one waiting: nobody is interrupted
+    assert victims(small, running[1:], 8) == []
+    # two groups -> share 4: mid, below it, takes one of heavy's; at its share it interrupts nobody
+    assert victims([Req("mid")], running, 8) == [running[5]]
+    even = [Req("heavy") for _ in range(4)] + [Req("mid") for _ in range(4)]
+    assert victims([Req("mid"), Req("heavy")], even, 8) == []
+    # requests of groups of one (rollouts): nothing to interrupt
+    singles = [Req(str(i)) for i in range(8)]
+    assert victims([Req("x")], singles, 8) == []
+    assert victims([Req("small", cancelled=True)], running, 8) == []
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return load_model_and_tokenizer(tiny_model)[0]
+
+
+PROMPT, OTHER = list(range(5, 45)), list(range(60, 75))
+
+
+def test_a_full_batch_is_interrupted_for_a_later_group_and_everyone_gets_their_uncontended_tokens(model):
+    heavy = [SamplingParams(temperature=1.0, max_tokens=150, seed=i) for i in range(8)]
+    small = SamplingParams(temperature=1.0, max_tokens=8, seed=99)
+
+    async def contended(engine):
+        tasks = [asyncio.ensure_future(engine.generate(PROMPT, p, group="heavy")) for p in heavy]
+        await asyncio.sleep(0.05)  # the heavy group holds every slot
+        assert engine.stats["generated_tokens"] > 0
+        result = await engine.generate(OTHER, small, group="small")
+        unfinished = sum(not t.done() for t in tasks)
+        return result, unfinished, await asyncio.gather(*tasks)
+
+    async def alone(engine):
+        return (await engine.generate(OTHER, small),
+                await asyncio.gather(*(engine.generate(PROMPT, p) for p in heavy)))
+
+    with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
+        got_small, unfinished, got_heavy = asyncio.run(contended(engine))
+        interruptions = engine.stats["fair_interruptions"]
+    with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
+        want_small, want_heavy = asyncio.run(alone(engine))
+    assert interruptions >= 1 and unfinished >= 7  # the small request did not wait for the heavy group to end
+    assert sum(r.num_preempted for r in got_heavy) == interruptions
+    for got, want in [(got_small, want_small), *zip(got_heavy, want_heavy)]:
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_requests_without_a_group_wait_first_come_first_served(model):
+    params = [SamplingParams(temperature=0.0, max_tokens=40 if i < 4 else 4) for i in range(6)]
+
+    async def run(engine):
+        order: list[int] = []
+
+        async def one(i):
+            await engine.generate(PROMPT, params[i])
+            order.append(i)
+
+        await asyncio.gather(*(one(i) for i in range(6)))
+        return order
+
+    with LocalEngine(copy.deepcopy(model), max_batch=4) as engine:
+        order = asyncio.run(run(engine))
+        assert engine.stats["fair_interruptions"] == 0
+    assert set(order[:4]) == {0, 1, 2, 3}  # the two short ones waited for a free slot: no interruption

@@ -1,0 +1,154 @@
+"""Incremental streaming: the engine's token stream and `tether serve`'s deltas as the tokens are made.
+
+Streamed and unstreamed answers of the same seeded request are compared field by field (text, logprobs, finish and
+stop reasons, token ids), with stop strings, min_tokens and include_stop_str_in_output; arrival times show the text
+coming while the choice is still being generated; a scripted engine that yields one token at a time shows a tool
+call's id and name arriving before its arguments end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+
+import pytest
+
+from test_serve import ASK, TOOLS, client, serving, streamed_calls
+from tether.engine.base import GenerationResult, SamplingParams, TokenDelta
+from tether.engine.local import LocalEngine
+from tether.engine.scripted import ScriptedEngine
+from tether.learner.model import load_model_and_tokenizer
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return load_model_and_tokenizer(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    model, tokenizer = loaded
+    with LocalEngine(copy.deepcopy(model)) as engine, serving(engine, tokenizer) as s:
+        s.engine = engine
+        yield s
+
+
+def test_the_engine_tells_each_steps_tokens_and_ends_with_generates_result(loaded):
+    model, _ = loaded
+    params = SamplingParams(temperature=1.0, max_tokens=400, seed=3)
+
+    async def main(engine):
+        whole = await engine.generate([5, 6, 7, 8], params)
+        items = [item async for item in engine.stream([5, 6, 7, 8], params)]
+        # closing the stream early aborts the request: the engine runs nothing afterwards
+        stream = engine.stream([5, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=400, seed=1))
+        first = await stream.__anext__()
+        await stream.aclose()
+        return whole, items, first
+
+    with LocalEngine(copy.deepcopy(model)) as engine:
+        whole, items, first = asyncio.run(main(engine))
+        time.sleep(0.2)
+        assert not engine._slots.running and not engine._queue
+    deltas, result = items[:-1], items[-1]
+    assert isinstance(result, GenerationResult) and all(isinstance(d, TokenDelta) for d in deltas)
+    # one per decode step, or a few steps' tokens together when the caller is slower than the engine (a busy host)
+    assert len(deltas) >= 5 and len(deltas[0].token_ids) < 100
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids == whole.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == result.logprobs == whole.logprobs
+    assert isinstance(first, TokenDelta) and 1 <= len(first.token_ids) < 400
+
+
+def test_text_arrives_while_the_choice_is_being_generated(server):
+    kw = dict(model="tiny", messages=ASK, max_tokens=300, temperature=1.0, seed=4, extra_body={"ignore_eos": True})
+    start, arrivals, text = time.perf_counter(), [], ""
+    for ch in client(server).chat.completions.create(**kw, stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            arrivals.append(time.perf_counter() - start)
+            text += ch.choices[0].delta.content
+    total = time.perf_counter() - start
+    print(f"\n300 tokens: first content at {arrivals[0]:.3f} s of {total:.3f} s, {len(arrivals)} content chunks")
+    assert len(arrivals) >= 20  # not the whole text at the end (steps come together on a busy host)
+    assert arrivals[0] < 0.5 * total and arrivals[len(arrivals) // 2] < 0.85 * total  # spread over the generation
+    assert text == client(server).chat.completions.create(**kw).choices[0].message.content
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_streamed_equals_unstreamed_with_stops_min_tokens_and_include_stop(server, seed):
+    c = client(server)
+    base = c.completions.create(model="tiny", prompt="Where is my order", max_tokens=40, temperature=1.0,
+                                seed=seed).choices[0].text
+    stops = [base[len(base) // 3:][:2], base[2 * len(base) // 3:][:3]]  # strings the choice contains
+    for extra in ({}, {"include_stop_str_in_output": True}, {"min_tokens": 12}, {"skip_special_tokens": False}):
+        kw = dict(model="tiny", prompt="Where is my order", max_tokens=40, temperature=1.0, seed=seed,
+                  stop=stops, logprobs=0, extra_body={"return_token_ids": True, **extra})
+        full = c.completions.create(**kw).choices[0]
+        chunks = [ch for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        assert "".join(ch.choices[0].text for ch in chunks) == full.text, extra
+        streamed_lps = [lp for ch in chunks if ch.choices[0].logprobs for lp in ch.choices[0].logprobs.token_logprobs]
+        assert streamed_lps == pytest.approx(full.logprobs.token_logprobs[:len(streamed_lps)], abs=0)
+        last = chunks[-1].choices[0]
+        assert (last.finish_reason, last.model_extra["stop_reason"]) == (full.finish_reason,
+                                                                         full.model_extra["stop_reason"])
+        assert last.model_extra["token_ids"] == full.model_extra["token_ids"]
+
+
+def test_a_stop_string_ends_the_engine_request_at_once(server):
+    c = client(server)
+    kw = dict(model="tiny", prompt="Where is my order", max_tokens=200, temperature=1.0, seed=9,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    base = c.completions.create(**kw).choices[0]
+    stop = base.text[10:13]
+    before = server.engine.stats["generated_tokens"]
+    chunks = [ch for ch in c.completions.create(**kw, stop=[stop], stream=True) if ch.choices]
+    generated = server.engine.stats["generated_tokens"] - before
+    assert "".join(ch.choices[0].text for ch in chunks) == base.text[:base.text.find(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert generated < 60  # the unstreamed request generates all 200 and cuts the text afterwards
+
+
+class TricklingEngine(ScriptedEngine):
+    """A ScriptedEngine that tells its tokens one at a time, ``pause`` seconds apart."""
+
+    pause = 0.02
+
+    async def stream(self, prompt_ids, params):
+        result = await self.generate(prompt_ids, params)
+        for k in range(len(result.token_ids)):
+            await asyncio.sleep(self.pause)
+            yield TokenDelta(result.token_ids[k:k + 1], result.logprobs[k:k + 1], result.versions[k:k + 1])
+        yield result
+
+
+CALLS = ('Let me check both.\n<tool_call>\n{"name": "get_order_status", "arguments": {"order_id": "O-1234"}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "get_order_status", "arguments": {"order_id": "O-99"}}\n</tool_call>')
+
+
+def test_tool_calls_are_streamed_name_first_then_their_arguments(loaded):
+    _, tokenizer = loaded
+    engine = TricklingEngine(tokenizer, [CALLS, CALLS], logprob=-0.5, version=2)
+    with serving(engine, tokenizer) as s:
+        c = client(s)
+        full = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, logprobs=True).choices[0]
+        start, timeline = time.perf_counter(), []
+        chunks = []
+        for ch in c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True, logprobs=True):
+            chunks.append(ch)
+            timeline.append(time.perf_counter() - start)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content == full.message.content == "Let me check both."
+    calls = streamed_calls(chunks)
+    assert [(name, json.loads(args)) for _, name, args in calls.values()] == [
+        (call.function.name, json.loads(call.function.arguments)) for call in full.message.tool_calls]
+    argument_deltas = [(t, tc.index) for t, ch in zip(timeline, chunks) if ch.choices
+                       for tc in ch.choices[0].delta.tool_calls or [] if tc.id is None]
+    named = [t for t, ch in zip(timeline, chunks) if ch.choices
+             for tc in ch.choices[0].delta.tool_calls or [] if tc.id]
+    assert len([1 for _, k in argument_deltas if k == 0]) >= 3  # the arguments grow over several deltas
+    assert named[0] < argument_deltas[0][0] and named[1] > argument_deltas[0][0]  # call 1 told before call 2 exists
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed_lps = [e.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for e in ch.choices[0].logprobs.content]
+    assert streamed_lps == [e.logprob for e in full.logprobs.content] == [-0.5] * (len(full.logprobs.content))

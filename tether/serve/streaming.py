@@ -1,0 +1,251 @@
+"""A choice told as it is generated: OpenAI deltas from the engine's token stream (``stream_generation``).
+
+Each decode step's tokens are decoded incrementally (a window of the last tokens re-decoded, as streaming
+detokenizers do) and sent at once, except text that may still change what is shown:
+
+- the tail that could be the start of a stop string (held until the next token decides; a stop string that
+  matches ends the engine request at once, and the choice is what the same tokens would give unstreamed);
+- the final stop token (not shown unless ``include_stop_str_in_output``);
+- with tools (the hermes format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``): content from the
+  first ``<tool_call>`` on. Each call's id and name go in its first delta as soon as ``"arguments":`` is written,
+  then its arguments as they grow (a ``}`` and a ``</tool_call>`` being written are held until the call closes).
+  Content is stripped of its leading and trailing whitespace, as the unstreamed message's is.
+
+When the choice ends, its finished form (``Generator._finish`` and ``ChatView.message``, as unstreamed) decides
+the rest: what of it was not sent yet is sent, then the finish reason. A call the model wrote malformed was
+streamed up to where it broke; the finish reason is then the unstreamed one's. Logprob entries go with the
+delta that showed their token's text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from tether.engine.base import GenerationResult, SamplingParams, TokenDelta, stream_generation
+from tether.serve.generation import Choice, Generator
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+MAX_STREAMED_CALLS = 64
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+class Detokenizer:
+    """Text added by each id appended ("" while a multi-byte character is incomplete): the tokenizers library's
+    ``DecodeStream`` for a fast tokenizer, else a window of the last ids re-decoded."""
+
+    def __init__(self, tokenizer: Any, skip: bool):
+        self.tokenizer, self.skip = tokenizer, skip
+        self.backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend is not None else None
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def add(self, token_id: int) -> str:
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+
+def _held(text: str, marks: list[str], start: int = 0) -> int:
+    """Characters at the end of ``text`` (past ``start``) that are a proper prefix of one of ``marks``."""
+    most = 0
+    for m in marks:
+        for k in range(min(len(m) - 1, len(text) - start), most, -1):
+            if text.endswith(m[:k]):
+                most = k
+                break
+    return most
+
+
+@dataclass
+class _Call:
+    header: bool = False  # id and name sent
+    sent: str = ""  # arguments sent
+
+
+@dataclass
+class ChoiceStream:
+    """One choice's deltas, fed the engine's tokens. ``tools``: parse hermes tool calls out of the text."""
+
+    gen: Generator
+    params: SamplingParams
+    strings: list[str]  # stop strings
+    skip: bool
+    include_stop: bool
+    tools: bool = False
+    first_call_only: bool = False
+    group: Any = None  # the engine's fair-admission group: the HTTP request's
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    ends: list[int] = field(default_factory=list)  # len(text) after each shown token
+    floor: int | None = None  # stop strings count only when they end past it (min_tokens, as Generator._finish)
+    cut: int | None = None  # a stop string matched: the shown text ends here
+    sent_content: str = ""
+    entries_sent: int = 0  # shown tokens whose logprobs were sent
+    calls: list[_Call] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.decoder = Detokenizer(self.gen.tokenizer, self.skip)
+        if self.params.min_tokens <= 1:
+            self.floor = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut is not None
+
+    def feed(self, delta: TokenDelta) -> list[tuple[dict[str, Any], range]]:
+        """The deltas (and the shown tokens whose logprobs go with them) these new tokens make sendable."""
+        for tid, lp, v in zip(delta.token_ids, delta.logprobs, delta.versions):
+            if self.stopped:
+                break
+            self.tokens.append(tid)
+            self.logprobs.append(lp)
+            self.versions.append(v)
+            if tid in self.params.stop_token_ids and not self.include_stop:
+                continue  # it ends the generation; its text is not shown
+            before = len(self.text)
+            self.text += self.decoder.add(tid)
+            self.ends.append(len(self.text))
+            if self.floor is None and len(self.tokens) >= self.params.min_tokens - 1:
+                self.floor = len(self.text)
+            if self.floor is not None and self.strings:
+                hits = [(at, s) for s in self.strings
+                        if (at := self.text.find(s, max(0, self.floor - len(s) + 1, before - len(s) + 1))) >= 0]
+                if hits:
+                    at, s = min(hits)
+                    self.cut = at + len(s) if self.include_stop else at
+        return self._sendable()
+
+    def _sendable(self, final: bool = False) -> list[tuple[dict[str, Any], range]]:
+        """Deltas of what can be sent now; ``final``: the text is complete, nothing is held."""
+        text = self.text if self.cut is None else self.text[:self.cut]
+        hold = 0 if final or self.cut is not None else _held(text, self.strings, self.floor or 0)
+        marker = text.find(_OPEN) if self.tools else -1
+        deltas: list[dict[str, Any]] = []
+        if marker < 0:
+            end = len(text) - max(hold, _held(text, [_OPEN]) if self.tools and not final else 0)
+            content, frontier = text[:end], end
+        else:
+            content, frontier = text[:marker], marker
+        if self.tools:  # shown stripped, as the unstreamed message's content
+            content = content.strip()
+        piece = content[len(self.sent_content):] if content.startswith(self.sent_content) else ""
+        if piece:
+            deltas.append({"content": piece})
+            self.sent_content += piece
+        if marker >= 0:
+            covered, calls = self._call_deltas(text[marker:], hold, final)
+            deltas.extend(calls)
+            frontier = marker + covered
+        return self._with_entries(deltas, frontier)
+
+    def _call_deltas(self, region: str, hold: int, final: bool) -> tuple[int, list[dict[str, Any]]]:
+        """Deltas of the tool calls in ``region`` (the text from the first ``<tool_call>`` on) and how many of its
+        characters they have told."""
+        out: list[dict[str, Any]] = []
+        covered, start = 0, 0
+        for k in range(MAX_STREAMED_CALLS):
+            start = region.find(_OPEN, start)
+            if start < 0 or (self.first_call_only and k > 0):
+                break
+            start += len(_OPEN)
+            block = region[start:]
+            header = _HEADER.match(block)
+            if header is None:
+                break  # not (yet) a call whose name can be told
+            if len(self.calls) <= k:
+                self.calls.append(_Call())
+            call = self.calls[k]
+            if not call.header:
+                call.header = True
+                out.append({"tool_calls": [{"index": k, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                            "function": {"name": json.loads(header.group(1)), "arguments": ""}}]})
+            body = block[header.end():]
+            close = body.find(_CLOSE)
+            if close >= 0:
+                args = body[:close].rstrip()
+                args = args[:-1].rstrip() if args.endswith("}") else args  # the call object's own brace
+            else:
+                args = body[:len(body) - hold]
+                if not final:  # "}", whitespace and the start of "</tool_call>" may be the call's end
+                    args = args[:len(args) - _held(args, [_CLOSE])].rstrip()
+                    args = args[:-1] if args.endswith("}") else args
+            if args.startswith(call.sent) and len(args) > len(call.sent):
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": args[len(call.sent):]}}]})
+                call.sent = args
+            covered = start + header.end() + (close + len(_CLOSE) if close >= 0 else len(call.sent))
+            start = covered
+        return covered, out
+
+    def _with_entries(self, deltas: list[dict[str, Any]], frontier: int) -> list[tuple[dict[str, Any], range]]:
+        """Pair the deltas with the shown tokens whose text ends within ``frontier`` characters (on the last)."""
+        done = self.entries_sent
+        while done < len(self.ends) and self.ends[done] <= frontier:
+            done += 1
+        out = [(d, range(0)) for d in deltas]
+        if out and done > self.entries_sent:
+            out[-1] = (out[-1][0], range(self.entries_sent, done))
+            self.entries_sent = done
+        return out
+
+    def finish(self, result: GenerationResult | None, view: Any) -> tuple[Choice, list[tuple[dict[str, Any], range]]]:
+        """The finished choice (from the engine's result, or from the tokens so far when a stop string ended it)
+        and the deltas of what was not sent yet."""
+        if result is None or self.stopped:
+            result = GenerationResult(self.tokens, self.logprobs, "length", self.versions,
+                                      result.num_preempted if result is not None else 0)
+        choice = self.gen._finish(result, self.params, self.strings, self.skip, self.include_stop)
+        first = self.entries_sent
+        out = [d for d, _ in self._sendable(final=True)]
+        msg = view.message(choice)[0] if self.tools else None
+        content = choice.text if msg is None or not msg.tool_calls else (msg.content or "")
+        if content.startswith(self.sent_content) and len(content) > len(self.sent_content):
+            out.append({"content": content[len(self.sent_content):]})  # (a decode the pieces did not give)
+            self.sent_content = content
+        for k, call in enumerate(msg.tool_calls or [] if msg is not None else []):
+            if k >= len(self.calls) or not self.calls[k].header:  # a call whose name could not be told early
+                out.append({"tool_calls": [{"index": k, **call.model_dump()}]})
+        entries = range(first, len(choice.text_ids))
+        if entries and not out:
+            out.append({"content": ""})
+        paired = [(d, range(0)) for d in out]
+        if paired:
+            paired[-1] = (paired[-1][0], entries)
+        return choice, paired
+
+
+async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
+                        ) -> AsyncIterator[tuple[dict[str, Any], range] | Choice]:
+    """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``."""
+    result: GenerationResult | None = None
+    tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group if stream.gen.grouped else None)
+    try:
+        async for item in tokens:
+            if isinstance(item, GenerationResult):
+                result = item
+                break
+            for pair in stream.feed(item):
+                yield pair
+            if stream.stopped:
+                break
+    finally:
+        await tokens.aclose()  # aborts the engine request if it is still running
+    choice, rest = stream.finish(result, view)
+    for pair in rest:
+        yield pair
+    yield choice
