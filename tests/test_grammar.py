@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import sys
 
@@ -148,3 +149,31 @@ def test_without_xgrammar_a_constrained_request_names_the_extra(tiny, monkeypatc
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
     with pytest.raises(RuntimeError, match=r"tether\[grammar\]"):
         Grammars(tok, 2048).json_object()
+
+
+def test_a_constrained_request_interrupted_by_fair_admission_resumes_in_its_grammar(tiny, grammars):
+    model, tok = tiny
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"),)
+    g = grammars.tool_calls([ToolSpec("get_order_status", SCHEMA)], required=True, parallel=True)
+    heavy = [SamplingParams(temperature=1.0, max_tokens=150, seed=i, stop_token_ids=stop, constraint=g)
+             for i in range(8)]
+    small = SamplingParams(temperature=1.0, max_tokens=8, seed=99)
+    prompt, other = tok.encode("Where is my order O-1234?"), tok.encode("Hello")
+
+    async def contended(engine):
+        tasks = [asyncio.ensure_future(engine.generate(prompt, p, group="heavy")) for p in heavy]
+        await asyncio.sleep(0.05)  # the heavy group holds every slot
+        await engine.generate(other, small, group="small")
+        return await asyncio.gather(*tasks)
+
+    with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
+        got = asyncio.run(contended(engine))
+        interruptions = engine.stats["fair_interruptions"]
+    with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
+        want = run(engine, [prompt] * 8, heavy)
+    assert interruptions >= 1 and sum(r.num_preempted for r in got) == interruptions
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]  # the same draws, in the same grammar
+    for r in got:  # every token one the grammar allowed where it was drawn
+        m = g.matcher(stop)
+        for t in r.token_ids:
+            m.accept(t)
