@@ -473,6 +473,8 @@ KEY_TESTS.update({
         "tests/test_agent_loop.py::test_parallel_calls_run_concurrently_and_extra_calls_are_refused",
     "agent_loop.tool_selection": "tests/test_env_state_keys.py::test_per_sample_and_all_give_different_prompts",
     "tool_parser.name": "tests/test_seed_keys.py::test_tool_parser_name_changes_what_counts_as_a_call",
+    "agent_loop.constrained_tool_calls":  # tether's own key
+        "tests/test_constrained_rollouts.py::test_constrained_tool_calls_flip_what_the_rollouts_call",
     "tool_parser.stop_token_ids": "tests/test_engine.py::test_stop_ids_and_max_tokens",
     # the OpenAI-compatible client: each key flipped, the request (server, key, model) changes
     **{k: "tests/test_llm_client.py::test_llm_client_section_base_url_api_key_and_model_decide_the_request"

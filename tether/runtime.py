@@ -24,6 +24,8 @@ from tether.agent.loop import AgentLoopBase, LoopLimits, make_agent_loop
 from tether.config import ConfigError, EngineConfig, LLMClientConfig, PartialRolloutConfig, RunConfig
 from tether.config.plan import Plan
 from tether.engine.base import InferenceEngine, SamplingParams
+from tether.engine.grammar import Grammars, GrammarUnavailable
+from tether.engine.grammar import check_available as check_grammar_available
 from tether.engine.local import LocalEngine
 from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
@@ -168,10 +170,18 @@ def context_window(window: int, max_tokens: int, model_config: Any, where: str =
 def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greedy: bool = False,
                window: int | None = None) -> AgentLoopBase:
     """The configured agent loop; ``window``: the context window checked against the model (``context_window``)."""
+    grammars = None
+    if cfg.agent_loop.constrained_tool_calls:  # masks the engine's logits: as wide as its model's (else the tokenizer)
+        try:
+            check_grammar_available()
+        except GrammarUnavailable as e:
+            raise ConfigError(f"`agent_loop.constrained_tool_calls` = true: {e}") from None
+        vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+        grammars = Grammars(tokenizer, vocab or len(tokenizer))
     return make_agent_loop(
         cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg.engine, greedy=greedy),
         limits=LoopLimits.from_config(cfg.agent_loop, window or cfg.environment.state.context_window),
-        parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids),
+        parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids), grammars=grammars,
     )
 
 

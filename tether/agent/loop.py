@@ -44,6 +44,7 @@ from typing import Any
 from tether.agent.chat import ChatAssembler, TokenBuffer, observation_text
 from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
 from tether.engine.base import InferenceEngine, SamplingParams
+from tether.engine.grammar import Grammar, Grammars, ToolSpec
 from tether.env.base import Action, Env
 from tether.env.memory import KeepRecentK, TurnRecord
 from tether.env.termination import CUT_REASONS
@@ -93,8 +94,12 @@ class LoopLimits:
 class AgentLoopBase(ABC):
     def __init__(self, engine: InferenceEngine, tokenizer: Any, *, sampling: SamplingParams,
                  limits: LoopLimits = LoopLimits(), parser: str = "hermes",
-                 stop_token_ids: tuple[int, ...] = ()):
+                 stop_token_ids: tuple[int, ...] = (), grammars: Grammars | None = None):
+        """grammars: decode every turn under a grammar of free text or schema-valid tool calls of the episode's
+        tools (``agent_loop.constrained_tool_calls``); None: unconstrained."""
         self.engine = engine
+        self.grammars = grammars
+        self._grammar_of: dict[str, Grammar] = {}  # by the tools' schemas (JSON): compiled once per tool set
         self.tokenizer = tokenizer
         self.limits = limits
         self.parse = get_parser(parser)
@@ -107,6 +112,16 @@ class AgentLoopBase(ABC):
                isinstance(i, int) and 0 <= i < vocab}
         self.stop_ids = tuple(sorted(eos | set(stop_token_ids)))
         self.sampling = replace(sampling, stop_token_ids=self.stop_ids)
+
+    def tool_grammar(self, schemas: list[dict[str, Any]]) -> Grammar | None:
+        """The grammar of an episode offering ``schemas`` (None without ``grammars`` or tools)."""
+        if self.grammars is None or not schemas:
+            return None
+        key = json.dumps(schemas, sort_keys=True)
+        if key not in self._grammar_of:
+            tools = [ToolSpec(s["function"]["name"], s["function"].get("parameters")) for s in schemas]
+            self._grammar_of[key] = self.grammars.tool_calls(tools, required=False, parallel=True)
+        return self._grammar_of[key]
 
     @abstractmethod
     async def run(self, task: Task, env: Env, *, seed: int | None = None) -> Trajectory:
@@ -159,6 +174,7 @@ class _Episode:
         self.turns_in_context = 0  # completed turns in the current segment's context
         self.asm: ChatAssembler  # set by start
         self.tool_names: set[str] = set()
+        self.grammar: Grammar | None = None  # agent_loop.constrained_tool_calls: the turns' grammar (set by start)
         self.parsed: ParsedTurn  # set by generate
         self.user_turns = 0
         self.assistant_turns = 0
@@ -173,6 +189,7 @@ class _Episode:
             schemas = [s for s in schemas if s["function"]["name"] in self.task.tools]
         self.tool_names = {s["function"]["name"] for s in schemas}
         self.asm = ChatAssembler(self.loop.tokenizer, schemas)
+        self.grammar = self.loop.tool_grammar(schemas)
         context_memory = getattr(self.env, "context_memory", None)
         self.memory = context_memory() if context_memory is not None else None
         self.messages = [{"role": "system", "content": self.env.system_prompt()},
@@ -192,7 +209,8 @@ class _Episode:
         budget = min(self.loop.sampling.max_tokens, limits.context_window - len(self.buf))
         if budget <= 0:
             return self._terminate("context_window")
-        params = replace(self.loop.sampling, max_tokens=budget, seed=_turn_seed(self.seed, self.assistant_turns))
+        params = replace(self.loop.sampling, max_tokens=budget, seed=_turn_seed(self.seed, self.assistant_turns),
+                         constraint=self.grammar)
         t = time.perf_counter()
         out = await self.loop.engine.generate(self.buf.ids, params)
         self.traj.metrics.generate_sequences += time.perf_counter() - t

@@ -104,6 +104,7 @@ class RunConfig(Section):
                "several trainer ranks shard one model: set actor_worker.strategy: fsdp2 (or num_ranks: 1)",
                **{"resource_pool.trainer_pool.num_ranks": ranks, "actor_worker.strategy": self.actor_worker.strategy})
         self._lora_alone()
+        self._constrained_tool_calls()
         self._algorithm_defaults()
         check_reward(self)
         name_secrets(self)
@@ -118,6 +119,20 @@ class RunConfig(Section):
                "body (tether serve's /update_lora_adapter_from_tensor), not through a folder: unset "
                "engine.weight_sync_dir or remove model.lora",
                **{"model.lora.rank": self.model.lora.rank, "engine.weight_sync_dir": self.engine.weight_sync_dir})
+
+    def _constrained_tool_calls(self) -> None:
+        """``agent_loop.constrained_tool_calls`` masks the local engine's logits with a hermes tool-call grammar."""
+        if not self.agent_loop.constrained_tool_calls:
+            return
+        _check(self.engine.type != "remote", "agent_loop.constrained_tool_calls decodes under a grammar in the "
+               "in-process engine; a remote server's engine does not take one: set engine.type: local",
+               **{"agent_loop.constrained_tool_calls": True, "engine.type": self.engine.type})
+        _check(self.tool_parser.name in ("hermes", "function_call_parser"), "agent_loop.constrained_tool_calls "
+               "writes hermes tool-call blocks: use tool_parser.name hermes or function_call_parser",
+               **{"agent_loop.constrained_tool_calls": True, "tool_parser.name": self.tool_parser.name})
+        _check(self.engine.min_tokens == 0, "agent_loop.constrained_tool_calls: the grammar decides where a turn ends, "
+               "engine.min_tokens would hold its end back: set engine.min_tokens: 0",
+               **{"agent_loop.constrained_tool_calls": True, "engine.min_tokens": self.engine.min_tokens})
 
     def _queue_batch(self) -> None:
         """The async trainer takes a step's ``learner.batch_size`` samples from the queue in queue batches of

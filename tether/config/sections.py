@@ -29,6 +29,15 @@ class AgentLoopConfig(Section):
     get an error observation."""
     tool_selection: Literal["per_sample", "all"] = "per_sample"
     """Offer each sample its task's tools (per_sample) or every tool of the action space (all)."""
+    constrained_tool_calls: bool = False
+    """Decode every assistant turn (rollouts and evaluation episodes alike) under a grammar (``tether.engine.grammar``,
+    the ``grammar`` extra): free text, or hermes tool calls of the episode's tools whose arguments are valid under the
+    tool's JSON schema — a ``<tool_call>`` the model opens must become such a call (until ``engine.max_tokens`` cuts
+    it). What ``tether serve`` does for tools with ``strict: true``, so a policy trained with it sees the grammar it is
+    served with. The rollout is then off-policy by the mass the mask removes, which no importance ratio sees (the
+    recorded logprobs are the unmasked model's: ``tether.engine.base``). Needs the in-process engine (``engine.type:
+    local``), a tool parser that reads hermes blocks (hermes, function_call_parser) and ``engine.min_tokens: 0``.
+    tether's own key; off by default."""
 
 
 class ToolParserConfig(Section):

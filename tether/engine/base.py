@@ -12,6 +12,15 @@ unshaped logprobs too):
 2. ``temperature`` divides the (shaped) logits; the recorded logprob is taken at the same T (T = 1 when greedy).
 3. ``min_p``, ``top_k``, ``top_p`` *truncate* the distribution, in that order (top-p over the mass top-k and min-p
    kept): the draw is from the truncated one, the logprob from the whole one, as for top_p before them.
+
+``constraint`` (a grammar, ``tether.engine.grammar``) is logit shaping too, applied after step 1's: the logits of the
+tokens the grammar does not allow next are set to -inf, so the draw is from the allowed tokens only, and the logprob
+recorded is still the unmasked model's. That is the distribution the learner recomputes (it has no grammar state to
+mask with), so the importance ratio is 1 at equal weights; the rollout is off-policy all the same, by the mass the
+mask removed, which nothing corrects for: ``shapes_logits`` is true for it. (vLLM V1 departs here: its model runner
+applies the grammar bitmask to the logits in place before calling its sampler, so even its ``raw_logprobs`` are the
+masked distribution's — 0 where the grammar allows one token. tether keeps the model's, as for the other shaping
+parameters, so that the learner's recomputation matches at equal weights.)
 """
 
 from __future__ import annotations
@@ -21,6 +30,33 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class ConstraintMatcher(Protocol):
+    """One request's state in its grammar (``tether.engine.grammar.Matcher``)."""
+
+    def mask(self, logits: Any) -> None:
+        """Set the logits [1, V] of the tokens not allowed next to -inf, in place."""
+        ...
+
+    def accept(self, token: int) -> None:
+        ...
+
+    @property
+    def terminated(self) -> bool:
+        ...
+
+
+class Constraint(Protocol):
+    """A compiled grammar (``tether.engine.grammar.Grammar``): each request gets its own matcher."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width it masks."""
+        ...
+
+    def matcher(self, stop_token_ids: tuple[int, ...]) -> ConstraintMatcher:
+        ...
 
 
 @dataclass(frozen=True)
@@ -37,13 +73,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # × the times a token was generated, subtracted from its logit
     min_tokens: int = 0  # none of stop_token_ids can be drawn before this many new tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs
+    # A grammar the output must follow (tether.engine.grammar.Grammar); the request stops when it is complete.
+    # Left out of ==/hash: a compiled grammar compares by identity.
+    constraint: Constraint | None = field(default=None, compare=False, hash=False)
 
     @property
     def shapes_logits(self) -> bool:
         """Whether a logit-shaping parameter acts (base.py's step 1): the draw then departs from the learner's
         distribution."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or (self.min_tokens > 0 and bool(self.stop_token_ids)) or bool(self.logit_bias))
+                or (self.min_tokens > 0 and bool(self.stop_token_ids)) or bool(self.logit_bias)
+                or self.constraint is not None)
 
     def check(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field out of its range (token ids against ``vocab_size`` when given)."""
@@ -63,6 +103,15 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token id {tok} is not in the vocabulary [0, {vocab_size})")
             if bias != bias:
                 raise ValueError(f"logit_bias: the bias of token {tok} is NaN")
+        if self.constraint is not None:
+            if not self.stop_token_ids:
+                raise ValueError("constraint: a constrained request needs stop_token_ids (its grammar ends at one)")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a constraint: its grammar decides where the "
+                                 "output ends")
+            if vocab_size is not None and self.constraint.vocab_size != vocab_size:
+                raise ValueError(f"constraint: the grammar was compiled for {self.constraint.vocab_size} logits, the "
+                                 f"model has {vocab_size}")
 
 
 @dataclass

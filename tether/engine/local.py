@@ -19,8 +19,10 @@ One step of the worker loop:
 Sampling (``sampling.py``) is one batched call per step. The truncation parameters (top_k, min_p) ride in it;
 the logit-shaping ones (penalties, logit_bias, min_tokens) are computed on the rows that have them only, from
 per-request state kept from the first token (a [V] mask of the prompt and output tokens for repetition_penalty, [V]
-output counts for presence/frequency), so a batch without them costs what it did before. Recorded logprobs stay
-the unshaped, untruncated model's (``tether.engine.base``).
+output counts for presence/frequency), so a batch without them costs what it did before. A grammar
+(``SamplingParams.constraint``) is shaping too: its request's matcher masks the row last and accepts each token drawn;
+a complete grammar finishes the request ("stop"). Recorded logprobs stay the unshaped, untruncated, unmasked model's
+(``tether.engine.base``).
 Results go back to each caller's event loop with ``call_soon_threadsafe``. Only the worker thread touches
 the model: ``update_weights`` queues the new weights and waits until the worker has loaded them.
 
@@ -65,7 +67,7 @@ from typing import Any
 
 import torch
 
-from tether.engine.base import FinishReason, GenerationResult, SamplingParams, TokenDelta
+from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams, TokenDelta
 from tether.engine.fair_share import next_index, victims
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
@@ -94,6 +96,7 @@ class _Request:
     shapes: bool = False  # a logit-shaping parameter on (SamplingParams.shapes_logits)
     seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
     counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
+    matcher: ConstraintMatcher | None = None  # its grammar's state (params.constraint), advanced with each token
     group: Any = None  # fair admission's group (tether.engine.fair_share); None: the request alone
     streamed: bool = False  # ``stream``: the caller is woken after each step that added tokens, and at the end
     waiter: asyncio.Future | None = None  # (streamed) what the caller awaits until then
@@ -303,7 +306,8 @@ class LocalEngine:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
                        truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
-                       group=group, streamed=streamed)
+                       group=group, streamed=streamed,
+                       matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -551,9 +555,11 @@ class LocalEngine:
                 r.seen[tok] = True
             if r.counts is not None:
                 r.counts[tok] += 1
+            if r.matcher is not None:
+                r.matcher.accept(tok)
             if r.streamed:
                 self._grown.append(r)
-            if tok in r.params.stop_token_ids:
+            if tok in r.params.stop_token_ids or (r.matcher is not None and r.matcher.terminated):
                 r.finish = "stop"
             elif len(r.tokens) >= r.max_new:
                 r.finish = "length"
@@ -587,8 +593,11 @@ class LocalEngine:
         counts = None if not freq else (
             ids([i for i, _, _ in freq]), ids([q.presence_penalty for _, q, _ in freq], logits.dtype),
             ids([q.frequency_penalty for _, q, _ in freq], logits.dtype), torch.stack([n for _, _, n in freq]))
-        return ids(where), shape_logits(logits[ids(where)], bias=bias, banned=banned, repetition=repetition,
-                                        counts=counts)
+        shaped = shape_logits(logits[ids(where)], bias=bias, banned=banned, repetition=repetition, counts=counts)
+        for k, r in enumerate(reqs):  # a grammar's mask last: the tokens it does not allow next get -inf
+            if r.matcher is not None:
+                r.matcher.mask(shaped[k:k + 1])
+        return ids(where), shaped
 
     def _retire(self) -> None:
         """Hand finished (or cancelled) requests back; their caches stay parked for a next turn."""

@@ -107,6 +107,9 @@ class RemoteEngine:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         params.check()
+        if params.constraint is not None:
+            raise ValueError("constraint: grammar-constrained decoding runs in the local engine; a remote server's own "
+                             "structured outputs are not wired through RemoteEngine")
         max_new = params.max_tokens
         if self.max_model_len is not None:
             if len(prompt_ids) >= self.max_model_len:

@@ -22,6 +22,8 @@ class ScriptedEngine:
         return self._version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        if params.constraint is not None:
+            raise ValueError("constraint: a ScriptedEngine replays its texts and cannot follow a grammar")
         self.prompts.append(list(prompt_ids))
         if not self.texts:
             raise RuntimeError("ScriptedEngine ran out of texts: the episode asked for more turns than scripted")

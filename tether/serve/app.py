@@ -5,7 +5,9 @@ Routes (every one but ``/health`` behind the bearer key when ``api_key`` is set)
 - ``GET /health`` — liveness, no key needed: ``{"status": "ok", "weight_version": n, "serve/aborted": k}`` (k:
   requests whose client left before their answer)
 - ``GET /v1/models``, ``GET /v1/models/{id}`` — the served model and the LoRA adapters loaded (``parent``: its name)
-- ``POST /v1/chat/completions`` — messages (+ ``tools``, ``tool_choice``), streaming, ``n``, logprobs
+- ``POST /v1/chat/completions`` — messages (+ ``tools``, ``tool_choice``), streaming, ``n``, logprobs; ``tool_choice``
+  required or named, a strict tool, ``response_format`` json_object / json_schema decode under a grammar
+  (``tether.serve.structured``)
 - ``POST /v1/completions`` — a prompt as text or token ids; token ids, logprobs and weight versions out;
   ``prompt_logprobs`` (vLLM's) scores the prompt's own tokens
 - ``POST /update_weights_from_disk`` — ``{"model_path", "weight_version"}``: safetensors from a HF folder (SGLang's)
@@ -52,6 +54,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,8 +67,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tether.serve.adapters as adapters
 import tether.serve.responses as responses
+import tether.serve.structured as structured
 import tether.serve.weights as weights
 from tether.engine.base import InferenceEngine
+from tether.engine.grammar import Grammars
 from tether.serve.generation import APIError, Generator, sampling_params
 from tether.serve.protocol import (
     ChatCompletionRequest,
@@ -318,6 +323,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         return Generator(e, tokenizer, model=m, parser=parser, extra_stop_ids=extra_stop_ids)
 
     gen = generator(engine, model)
+    grammars = Grammars(tokenizer, gen.vocab_size)  # tool_choice / response_format grammars (serve/structured.py)
     if adapter_engine is None and model is not None:
         adapter_engine = _local_engine_like(engine, model)
     loras = adapters.Adapters(gen, model_name, adapter_engine, lambda e: generator(e, e.model), max_loras)
@@ -436,21 +442,16 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         gen = resolve(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text needs constrained decoding, which tether serve "
-                                "does not do", param="response_format")
-        choice = req.tool_choice
-        if choice == "required" or (choice is not None and not isinstance(choice, str)):
-            raise APIError(400, "tool_choice 'required' or a named function needs constrained decoding, which "
-                                "tether serve does not do; use 'auto' (the default) or 'none'", param="tool_choice")
-        tools = None if choice == "none" else req.tools
+        tools = None if req.tool_choice == "none" else req.tools
 
         def prepare() -> tuple[list[int], Any, list[str]]:  # in a worker: rendering grows with the messages
+            grammar = structured.chat_constraint(req, tools, grammars, parser=parser)  # compiling, too
             prompt = gen.render_chat(req.messages, tools, req.chat_template_kwargs)
             gen.check_prompt(prompt, param="messages")
             max_tokens = gen.max_new(req.max_completion_tokens or req.max_tokens, len(prompt))
             stop_ids, strings = gen.stops(req, gen.chat_stop_ids)
-            return prompt, sampling_params(req, max_tokens, stop_ids, gen.vocab_size), strings
+            params = sampling_params(req, max_tokens, stop_ids, gen.vocab_size)
+            return prompt, params if grammar is None else replace(params, constraint=grammar), strings
 
         prompt, params, strings = await asyncio.to_thread(prepare)
         top_k = (req.top_logprobs or 0) if req.logprobs else 0

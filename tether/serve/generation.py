@@ -130,7 +130,8 @@ class Generator:
                            param="chat_template_kwargs")
         msgs = [_message_dict(m) for m in messages]
         self.check_text(sum(len(m["content"] or "") for m in msgs), "messages")
-        schemas = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        # strict is the server's (tether.serve.structured), not the prompt's: rendered as training rendered the tools
+        schemas = [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in tools] if tools else None
         try:  # a prompt longer than the context is refused by check_prompt: not cached
             return render_ids(self.tokenizer, msgs, schemas, add_generation_prompt=True,
                               max_cached_len=self.max_model_len, template_kwargs=template_kwargs)

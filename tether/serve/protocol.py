@@ -4,7 +4,8 @@ token-in/token-out training needs, plus tether's own per-token ``weight_versions
 Requests forbid unknown top-level fields (an answer to a field the server would silently ignore is a lie: 400 naming
 it); a few that change nothing here are accepted by name (``user``, ``metadata``, ``store``, ``service_tier``). Every
 sampling parameter of OpenAI and vLLM that the engine implements (``tether.engine.base.SamplingParams``) is accepted
-and acts; fields that OpenAI defines but tether does not implement (``response_format``, ``echo``, ``suffix``,
+and acts, and so do ``tool_choice``, ``response_format`` and a tool's ``strict`` (grammar-constrained decoding:
+``tether.serve.structured``); fields that OpenAI defines but tether does not implement (``echo``, ``suffix``,
 ``best_of`` > ``n``) are accepted only at their neutral value; anything else answers 400 naming the field.
 Messages and tools inside a request ignore unknown keys, as OpenAI's own server does: a client that appends a
 response's ``message`` object to its history sends ``refusal``, ``annotations`` and the like.
@@ -63,6 +64,7 @@ class FunctionDef(_Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments valid under parameters even under tool_choice auto (serve/structured.py)
 
 
 class ToolDef(_Lenient):
