@@ -185,9 +185,13 @@ def scaling(out: str) -> str:
 def serve_throughput(out: str) -> str:
     row = r"^{} +\d+ req +\d+ tok +[\d.]+ s +(\d+) tok/s .*latency p50 +([\d.]+) s"
     local, server = find(row.format("local"), out, "local line"), find(row.format("server"), out, "server line")
+    stream = find(row.format("stream"), out, "stream line")
     ratio = find(r"^ratio server/local tokens/s = ([\d.]+)", out, "ratio line")
+    streamed = find(r"^ratio stream/local tokens/s = ([\d.]+)", out, "stream ratio line")
+    first = find(r"^streamed: first content after ([\d.]+) s \(median\)", out, "first content line")
     return (f"{server.group(1)} vs {local.group(1)} tokens/s (**ratio {ratio.group(1)}**), p50 {server.group(2)} s vs "
-            f"{local.group(2)} s")
+            f"{local.group(2)} s; streamed {stream.group(1)} tokens/s (**ratio {streamed.group(1)}**), first content "
+            f"after {first.group(1)} s (median)")
 
 
 def remote_vs_local(out: str) -> str:
@@ -290,7 +294,8 @@ REGISTRY: list[Figure] = [
     Figure("determinism", "sync runs of one seed with `trainer.deterministic: true`, a reference and repeats with "
            "random delays in the learner and the engine: identical logprobs, metrics and weights",
            "pytest tests/test_determinism.py", pytest_summary, 3),
-    Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 2 threads",
+    Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 2 threads; "
+           "the same requests streamed",
            "python benchmarks/serve_throughput.py", serve_throughput, 2),
     Figure("serve-logprobs", "server behaviour logprobs vs a teacher-forced forward pass (`/v1/completions`, "
            "token ids)", "pytest -s tests/test_remote_engine.py -k teacher_forced", printed_max_diff, 0.5),

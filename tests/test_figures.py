@@ -174,3 +174,16 @@ generate (batched per turn, left padding):      1435 tok/s (median of 3)
 ratio engine/generate = 2.26
 """
     assert figures.engine_throughput(out) == "3244 vs 1435 tokens/s, **ratio 2.26** (medians of 3)"
+
+
+def test_serve_parser_reads_the_server_and_the_streamed_rows():
+    out = """streamed: first content after 0.11 s (median) of 2.71 s per request
+local     192 req   13499 tok    4.75 s     2839 tok/s   40.4 req/s   latency p50   1.33 s  p99   2.78 s
+server    192 req   13499 tok    6.51 s     2073 tok/s   29.5 req/s   latency p50   1.79 s  p99   4.16 s
+stream    192 req   13499 tok    9.16 s     1473 tok/s   21.0 req/s   latency p50   2.71 s  p99   5.02 s
+ratio server/local tokens/s = 0.73
+ratio stream/local tokens/s = 0.52
+"""
+    assert figures.serve_throughput(out) == (
+        "2073 vs 2839 tokens/s (**ratio 0.73**), p50 1.79 s vs 1.33 s; streamed 1473 tokens/s (**ratio 0.52**), "
+        "first content after 0.11 s (median)")
