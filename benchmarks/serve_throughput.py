@@ -7,7 +7,8 @@ greedy, end-of-turn ignored, so every request produces exactly its budget on bot
 - server: the real command, ``tether serve MODEL --port 0`` in a subprocess (``OMP_NUM_THREADS=--threads``),
   driven by the official ``openai.AsyncOpenAI`` client from this process: HTTP, JSON, chat-template rendering,
   decoding and tool-call parsing on the server, response parsing in the client.
-- stream: the same server and requests with ``stream: true`` (and ``include_usage``): a chunk per decode step.
+- stream: the same server and requests with ``stream: true`` (and ``include_usage``): a chunk per decode step; then
+  again on a server started with ``--stream-interval`` (default 8 tokens per chunk after the first).
 - local: a ``LocalEngine`` (same model, threads and batch size) in this process, each request rendered with the
   chat template and its output decoded, as the agent loop does; no HTTP.
 
@@ -86,13 +87,15 @@ def run_local(path: str, jobs, threads: int, concurrency: int, max_batch: int):
         return asyncio.run(bounded(jobs, concurrency, run))
 
 
-def start_server(path: str, threads: int, max_batch: int, log: Path) -> tuple[subprocess.Popen, int]:
+def start_server(path: str, threads: int, max_batch: int, log: Path,
+                 stream_interval: int = 1) -> tuple[subprocess.Popen, int]:
     config = log.with_suffix(".yaml")
     config.write_text(f"engine: {{max_batch_size: {max_batch}}}\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "serve", path, "--port", "0", "--served-model-name",
-                             "bench", "--config", str(config)], env=env, stdout=out, stderr=subprocess.STDOUT)
+                             "bench", "--config", str(config), "--stream-interval", str(stream_interval)],
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while True:
         text = log.read_text()
@@ -146,7 +149,7 @@ def run_server(port: int, jobs, concurrency: int, stream: bool = False):
 def summary(name: str, latencies: list[float], tokens: int, wall: float) -> float:
     q = statistics.quantiles(latencies, n=100)
     rate = tokens / wall
-    print(f"{name:7s} {len(latencies):5d} req {tokens:7d} tok {wall:7.2f} s {rate:8.0f} tok/s "
+    print(f"{name:8s} {len(latencies):5d} req {tokens:7d} tok {wall:7.2f} s {rate:8.0f} tok/s "
           f"{len(latencies) / wall:6.1f} req/s   latency p50 {statistics.median(latencies):6.2f} s  p99 {q[98]:6.2f} s")
     return rate
 
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=64, help="engine.max_batch_size (both sides)")
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
+    ap.add_argument("--stream-interval", type=int, default=8, help="tokens per chunk of the last streamed run")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -175,11 +179,20 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+        proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve-interval.log",
+                                  args.stream_interval)
+        try:
+            coarse = run_server(port, jobs, args.concurrency, stream=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     local_rate = summary("local", *local)
     served_rate = summary("server", *served)
     streamed_rate = summary("stream", *streamed)
+    coarse_rate = summary(f"stream{args.stream_interval}", *coarse)
     print(f"ratio server/local tokens/s = {served_rate / local_rate:.2f}")
     print(f"ratio stream/local tokens/s = {streamed_rate / local_rate:.2f}")
+    print(f"ratio stream (--stream-interval {args.stream_interval})/local tokens/s = {coarse_rate / local_rate:.2f}")
 
 
 if __name__ == "__main__":

@@ -326,9 +326,10 @@ def test_a_reachable_host_without_a_key_is_warned_about():
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None}),
-    (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000"],
-     {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000})])
+    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None, "stream_interval": 1}),
+    (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000",
+      "--stream-interval", "8"],
+     {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000, "stream_interval": 8})])
 def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expected):
     from typer.testing import CliRunner
 

@@ -152,3 +152,24 @@ def test_tool_calls_are_streamed_name_first_then_their_arguments(loaded):
     streamed_lps = [e.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
                     for e in ch.choices[0].logprobs.content]
     assert streamed_lps == [e.logprob for e in full.logprobs.content] == [-0.5] * (len(full.logprobs.content))
+
+
+@pytest.mark.parametrize("interval", [4, 16])
+def test_stream_interval_sends_fewer_chunks_with_the_same_text_and_logprobs(loaded, interval):
+    _, tokenizer = loaded
+    text = "Your order O-1234 shipped on Monday and should arrive by Friday; the tracking number is in your email."
+    n = len(tokenizer.encode(text, add_special_tokens=False)) + 1  # + the end-of-turn id
+    runs = []
+    for every in (1, interval):
+        engine = TricklingEngine(tokenizer, [text], logprob=-0.25)
+        engine.pause = 0.002
+        with serving(engine, tokenizer, stream_interval=every) as s:
+            chunks = [ch for ch in client(s).chat.completions.create(model="tiny", messages=ASK, stream=True,
+                                                                      logprobs=True) if ch.choices]
+        runs.append(([ch.choices[0].delta.content for ch in chunks if ch.choices[0].delta.content],
+                     [e.logprob for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]))
+    (fine, fine_lps), (few, few_lps) = runs
+    assert "".join(fine) == "".join(few) == text
+    assert fine_lps == few_lps == [-0.25] * (n - 1)  # the end-of-turn id is not shown
+    # the first delta at once, then one per `interval` tokens
+    assert len(fine) == n - 1 and len(few) <= 2 + (n - 1) // interval

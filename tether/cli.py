@@ -374,6 +374,9 @@ def serve(
         "--max-request-bytes", min=1, help="The largest request body of the JSON routes (413 above it; default: 128 "
                                            "bytes per token of the model's context, at least 4 MiB); weight tensors "
                                            "pushed in a body are not bounded.")] = None,
+    stream_interval: Annotated[int, typer.Option(
+        "--stream-interval", min=1, help="Tokens per streamed chunk after a choice's first (vLLM's flag; 1 = every "
+                                         "decode step's tokens as the step ends).")] = 1,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 
@@ -398,7 +401,7 @@ def serve(
         server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
                      api_key_env=api_key_env, chat_template=template, max_loras=max_loras,
                      weight_updates=enable_weight_updates, weights_root=weights_root,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, stream_interval=stream_interval)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

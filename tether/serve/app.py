@@ -297,7 +297,8 @@ async def _disconnected(request: Request) -> None:
 def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model: Any = None, parser: str = "hermes",
              extra_stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_loras: int = 4,
              adapter_engine: Callable[[], InferenceEngine] | None = None, weight_updates: bool = False,
-             weights_root: str | Path | None = None, max_request_bytes: int | None = None) -> FastAPI:
+             weights_root: str | Path | None = None, max_request_bytes: int | None = None,
+             stream_interval: int = 1) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``.
 
     model: the engine's torch module, for ``max_model_len``, ``top_logprobs`` and ``/update_weights_from_disk``
@@ -315,7 +316,11 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         resolved); None = those two refuse every path.
     max_request_bytes: the largest body of a JSON route (413 above it); None = ``default_request_bytes`` of the
         model's context length.
+    stream_interval: tokens per streamed chunk after a choice's first (vLLM's ``--stream-interval``; 1 = every
+        decode step's).
     """
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
     model = model if model is not None else getattr(engine, "model", None)
     root = None if weights_root is None else Path(weights_root).resolve()
 
@@ -461,7 +466,8 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream and not top_k and (not tools or gen.parser == "hermes"):  # told as the tokens are made
             streams = [ChoiceStream(gen, p, strings, req.skip_special_tokens, req.include_stop_str_in_output,
-                                    tools=bool(tools), first_call_only=req.parallel_tool_calls is False, group=ident)
+                                    tools=bool(tools), first_call_only=req.parallel_tool_calls is False, group=ident,
+                                    interval=stream_interval)
                        for p in gen.seeded(params, req.n)]
             body = responses.chat_stream_live(view, streams, ident=ident, created=now, model=req.model,
                                               prompt=prompt, include_usage=include_usage,
@@ -505,7 +511,8 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream and not req.logprobs:  # told as the tokens are made (logprobs 0 included)
             streams = [ChoiceStream(gen, q, strings, req.skip_special_tokens, req.include_stop_str_in_output,
-                                    group=ident) for sp in params for q in gen.seeded(sp, req.n)]
+                                    group=ident, interval=stream_interval)
+                       for sp in params for q in gen.seeded(sp, req.n)]
             body = responses.completion_stream_live(gen, streams, prompts, n=req.n, ident=ident, created=now,
                                                     model=req.model, logprobs=req.logprobs is not None,
                                                     return_token_ids=req.return_token_ids,

@@ -88,6 +88,7 @@ class ChoiceStream:
     tools: bool = False
     first_call_only: bool = False
     group: Any = None  # the engine's fair-admission group: the HTTP request's
+    interval: int = 1  # tokens per streamed chunk after the first (choice_deltas)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -231,21 +232,58 @@ class ChoiceStream:
 
 async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
                         ) -> AsyncIterator[tuple[dict[str, Any], range] | Choice]:
-    """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``."""
+    """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``. ``stream.interval``:
+    tokens per chunk (vLLM's ``--stream-interval``): after the first delta, what ``interval`` tokens make is sent as
+    one delta (fewer chunks for the server to send and the client to parse, at the cost of smoothness)."""
+    interval = stream.interval
     result: GenerationResult | None = None
     tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group if stream.gen.grouped else None)
+    pending: list[tuple[dict[str, Any], range]] = []
+    held, sent = 0, False  # tokens since the last delta sent; whether one was
     try:
         async for item in tokens:
             if isinstance(item, GenerationResult):
                 result = item
                 break
-            for pair in stream.feed(item):
-                yield pair
+            pending.extend(stream.feed(item))
+            held += len(item.token_ids)
+            if pending and (held >= interval or not sent):
+                for pair in coalesced(pending):
+                    yield pair
+                pending, held, sent = [], 0, True
             if stream.stopped:
                 break
     finally:
         await tokens.aclose()  # aborts the engine request if it is still running
     choice, rest = stream.finish(result, view)
-    for pair in rest:
+    for pair in coalesced(pending + rest):
         yield pair
     yield choice
+
+
+def coalesced(pairs: list[tuple[dict[str, Any], range]]) -> list[tuple[dict[str, Any], range]]:
+    """Adjacent content deltas as one, and adjacent argument deltas of one tool call as one (their logprob entries
+    joined)."""
+    out: list[tuple[dict[str, Any], range]] = []
+    for delta, which in pairs:
+        if out:
+            last, last_which = out[-1]
+            joined = _joined(last, delta)
+            if joined is not None:
+                start = last_which.start if last_which else which.start
+                out[-1] = (joined, range(start, which.stop if which else last_which.stop) if last_which or which
+                           else range(0))
+                continue
+        out.append((delta, which))
+    return out
+
+
+def _joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    if set(a) == set(b) == {"content"}:
+        return {"content": a["content"] + b["content"]}
+    if set(a) == set(b) == {"tool_calls"}:
+        (x,), (y,) = a["tool_calls"], b["tool_calls"]
+        if x["index"] == y["index"] and "id" not in y and "arguments" in x["function"]:
+            function = {**x["function"], "arguments": x["function"]["arguments"] + y["function"]["arguments"]}
+            return {"tool_calls": [{**x, "function": function}]}
+    return None
