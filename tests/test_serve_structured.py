@@ -197,3 +197,21 @@ def test_without_xgrammar_a_constrained_request_is_a_400_naming_the_extra(server
         c.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"})
     assert err.value.body["param"] == "response_format"
     assert c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4).choices  # the rest works
+
+
+def test_langchain_structured_output_and_forced_tool_calls(server):
+    """LangChain's ChatOpenAI as users call it: with_structured_output (response_format json_schema) and bind_tools
+    with tool_choice "any" (OpenAI's "required") and a named tool."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=server.base_url + "/v1", api_key="unused", model="tiny", max_retries=0,
+                                      max_tokens=160, temperature=1.0, seed=3)
+    for seed in range(3):
+        parsed = llm.bind(seed=seed).with_structured_output(Status).invoke("Where is my order O-1234?")
+        assert isinstance(parsed, Status) and 1 <= parsed.quantity <= 9
+    for choice, names in [("any", set(SCHEMAS)), ("refund", {"refund"})]:
+        for seed in range(3):
+            message = llm.bind(seed=seed).bind_tools(TOOLS, tool_choice=choice).invoke(ASK)
+            assert message.tool_calls, message
+            for call in message.tool_calls:
+                assert call["name"] in names
+                assert jsonschema.Draft202012Validator(SCHEMAS[call["name"]]).is_valid(call["args"]), call
