@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,19 @@ async def gather(runs: list[Coros]) -> list[list[Choice]]:
 def _usage(prompt_tokens: int, choices: list[Choice]) -> Usage:
     completion = sum(len(c.token_ids) for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def _batch_usage(prompts: list[list[int]], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(map(len, prompts))
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def _chunker(ident: str, kind: str, created: int, model: str) -> Callable[..., str]:
+    """The SSE line of one chunk of a stream: ``chunk(choices, **extra)``."""
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": ident, "object": kind, "created": created, "model": model, "choices": choices, **extra})
+    return chunk
 
 
 def _sse(obj: Any) -> str:
@@ -165,31 +178,47 @@ def chat_response(view: ChatView, choices: list[Choice], *, ident: str, created:
         prompt_token_ids=prompt if return_token_ids else None)
 
 
-async def chat_stream(view: ChatView, run: Coros, *, ident: str, created: int, model: str, prompt: list[int],
+def chat_stream(view: ChatView, run: Coros, *, ident: str, created: int, model: str, prompt: list[int],
                       include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": choices, **extra})
+    async def events() -> AsyncIterator[tuple[int, Any]]:
+        async for _, i, c in _as_finished([run]):
+            for delta, entries in view.deltas(c):
+                yield i, (delta, entries)
+            yield i, c
+
+    return _chat_events(view, events(), len(run), ident=ident, created=created, model=model, prompt=prompt,
+                        include_usage=include_usage, return_token_ids=return_token_ids)
+
+
+async def _chat_events(view: ChatView, events: AsyncIterator[tuple[int, Any]], n: int, *, ident: str, created: int,
+                       model: str, prompt: list[int], include_usage: bool,
+                       return_token_ids: bool) -> AsyncIterator[str]:
+    """The SSE lines of a chat stream from (choice index, (delta, logprob entries) or the finished Choice) events."""
+    chunk = _chunker(ident, "chat.completion.chunk", created, model)
 
     done: list[Choice] = []
     try:
-        for i in range(len(run)):
+        for i in range(n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for _, i, c in _as_finished([run]):
-            done.append(c)
-            for delta, entries in view.deltas(c):
-                logprobs = {"content": [e.model_dump() for e in entries]} if view.logprobs else None
-                yield chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
-            final = _chat_choice(view, i, c, return_token_ids)
-            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason,
-                          "stop_reason": c.stop_reason, "token_ids": final.token_ids,
-                          "weight_versions": c.versions, "num_preempted": c.num_preempted}])
+        async for i, item in events:
+            if isinstance(item, Choice):
+                done.append(item)
+                final = _chat_choice(view, i, item, return_token_ids)
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason,
+                              "stop_reason": item.stop_reason, "token_ids": final.token_ids,
+                              "weight_versions": item.versions, "num_preempted": item.num_preempted}])
+                continue
+            delta, entries = item
+            logprobs = {"content": [e.model_dump() for e in entries]} if view.logprobs else None
+            yield chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
         if include_usage:
             yield chunk([], usage=_usage(len(prompt), done).model_dump(),
                         **({"prompt_token_ids": prompt} if return_token_ids else {}))
     except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
         yield _error_event(e)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # (a client that left: its engine requests end now)
     yield "data: [DONE]\n\n"
 
 
@@ -230,37 +259,20 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)  # each closes its engine request
 
 
-async def chat_stream_live(view: ChatView, streams: list[ChoiceStream], *, ident: str, created: int, model: str,
-                           prompt: list[int], include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+def chat_stream_live(view: ChatView, streams: list[ChoiceStream], *, ident: str, created: int, model: str,
+                     prompt: list[int], include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
     """``chat_stream`` as the tokens are made (``tether.serve.streaming``)."""
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": choices, **extra})
-
-    done: list[Choice] = []
-    try:
-        for i in range(len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+    async def events() -> AsyncIterator[tuple[int, Any]]:
         async for i, item in _merged([choice_deltas(s, prompt, view) for s in streams]):
             if isinstance(item, Choice):
-                done.append(item)
-                final = _chat_choice(view, i, item, return_token_ids)
-                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason,
-                              "stop_reason": item.stop_reason, "token_ids": final.token_ids,
-                              "weight_versions": item.versions, "num_preempted": item.num_preempted}])
-                continue
-            delta, which = item
-            s = streams[i]
-            logprobs = {"content": [e.model_dump() for e in view.token_entries(s.tokens, s.logprobs, which)]} \
-                if view.logprobs else None
-            yield chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
-        if include_usage:
-            yield chunk([], usage=_usage(len(prompt), done).model_dump(),
-                        **({"prompt_token_ids": prompt} if return_token_ids else {}))
-    except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
-        yield _error_event(e)
-    yield "data: [DONE]\n\n"
+                yield i, item
+            else:
+                delta, which = item
+                s = streams[i]
+                yield i, (delta, view.token_entries(s.tokens, s.logprobs, which) if view.logprobs else [])
+
+    return _chat_events(view, events(), len(streams), ident=ident, created=created, model=model, prompt=prompt,
+                        include_usage=include_usage, return_token_ids=return_token_ids)
 
 
 # ----------------------------------------------------------------------------------------------- completions
@@ -298,18 +310,14 @@ def completion_response(gen: Generator, choices: list[list[Choice]], prompts: li
     """Choice ``p * n + i`` is the i-th of prompt p, as OpenAI numbers a batch."""
     out = [_completion_choice(gen, p * len(run) + i, c, prompts[p], logprobs, return_token_ids)
            for p, run in enumerate(choices) for i, c in enumerate(run)]
-    completion = sum(len(c.token_ids) for run in choices for c in run)
-    usage = Usage(prompt_tokens=sum(map(len, prompts)), completion_tokens=completion,
-                  total_tokens=sum(map(len, prompts)) + completion)
+    usage = _batch_usage(prompts, sum(len(c.token_ids) for run in choices for c in run))
     return CompletionResponse(id=ident, created=created, model=model, choices=out, usage=usage)
 
 
 async def completion_stream(gen: Generator, runs: list[Coros], prompts: list[list[int]], *, n: int, ident: str,
                             created: int, model: str, logprobs: int | None, return_token_ids: bool,
                             include_usage: bool) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": ident, "object": "text_completion", "created": created, "model": model,
-                     "choices": choices, **extra})
+    chunk = _chunker(ident, "text_completion", created, model)
 
     completion = 0
     try:
@@ -317,10 +325,7 @@ async def completion_stream(gen: Generator, runs: list[Coros], prompts: list[lis
             completion += len(c.token_ids)
             yield chunk([_completion_choice(gen, p * n + i, c, prompts[p], logprobs, return_token_ids).model_dump()])
         if include_usage:
-            prompt_tokens = sum(map(len, prompts))
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                          total_tokens=prompt_tokens + completion)
-            yield chunk([], usage=usage.model_dump())
+            yield chunk([], usage=_batch_usage(prompts, completion).model_dump())
     except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
         yield _error_event(e)
     yield "data: [DONE]\n\n"
@@ -330,9 +335,7 @@ async def completion_stream_live(gen: Generator, streams: list[ChoiceStream], pr
                                  ident: str, created: int, model: str, logprobs: bool, return_token_ids: bool,
                                  include_usage: bool) -> AsyncIterator[str]:
     """``completion_stream`` as the tokens are made: stream ``p * n + i`` is choice i of prompt p."""
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": ident, "object": "text_completion", "created": created, "model": model,
-                     "choices": choices, **extra})
+    chunk = _chunker(ident, "text_completion", created, model)
 
     completion, offsets = 0, [0] * len(streams)
     try:
@@ -357,10 +360,7 @@ async def completion_stream_live(gen: Generator, streams: list[ChoiceStream], pr
             offsets[j] += len(text)
             yield chunk([{"index": j, "text": text, "logprobs": lp, "finish_reason": None}])
         if include_usage:
-            prompt_tokens = sum(map(len, prompts))
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                          total_tokens=prompt_tokens + completion)
-            yield chunk([], usage=usage.model_dump())
+            yield chunk([], usage=_batch_usage(prompts, completion).model_dump())
     except Exception as e:  # noqa: BLE001 — the status line is sent: the error goes in the stream
         yield _error_event(e)
     yield "data: [DONE]\n\n"
