@@ -162,9 +162,14 @@ def test_a_constrained_request_interrupted_by_fair_admission_resumes_in_its_gram
 
     async def contended(engine):
         tasks = [asyncio.ensure_future(engine.generate(prompt, p, group="heavy")) for p in heavy]
-        while engine.stats["generated_tokens"] < 8:  # the heavy group holds every slot (before any call can end)
+        while True:  # the heavy group holds every slot; the small request comes before any call can end
+            with engine._cv:  # (the worker starts no step meanwhile: at most the one under way ends)
+                if engine.stats["generated_tokens"] >= 8:
+                    small_task = asyncio.ensure_future(engine.generate(other, small, group="small"))
+                    await asyncio.sleep(0)  # it is queued (the lock is re-entrant: the same thread)
+                    break
             await asyncio.sleep(0.001)
-        await engine.generate(other, small, group="small")
+        await small_task
         return await asyncio.gather(*tasks)
 
     with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
