@@ -28,7 +28,10 @@ they were parsed and refused as longer than the context); both
 together 4.6-6.8 when a 413 closed the connection before the body was read, 11-13 when the body is read and dropped
 so that the client reads the 413 (the default now: the driver then sends, and the server reads, 400 MB in ~9 s). The
 requests that overlapped no heavy request its client still wanted stay at 0.7-1.5x idle; the rest pay the decode
-steps of a full batch (64 rows) on two shared cores. The goal (2x) is not met. RSS ends at 1.10-1.12x its start.
+steps of a full batch (64 rows) on two shared cores. With uvloop and httptools under uvicorn: both together 5.9, those
+that overlapped no live heavy request 0.83, RSS 1.11 (``--pin``, the server alone on one core with the engine, reading
+the bodies on the engine's core: 10.8 overall, 1.06 for those, RSS 1.22). The goal (2x) is not met: a small request
+that shares the engine with live heavy requests decodes in their full batch. RSS ends at 1.10-1.12x its start.
 Usage:
 
     python benchmarks/serve_load.py [--threads 2] [--small 200] [--abandoners 32] [--big-senders 4]
@@ -56,10 +59,11 @@ import httpx
 from tether.learner import ensure_tiny
 
 
-def start_server(path: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(path: str, threads: int, log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "tether.cli", "serve", path, "--port", "0",
-                             "--served-model-name", "bench"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                             "--served-model-name", "bench"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + 300
     while True:
         text = log.read_text()
@@ -191,7 +195,14 @@ def main() -> None:
     ap.add_argument("--big-mb", type=int, default=20)
     ap.add_argument("--big-repeats", type=int, default=5, help="bodies each big sender sends")
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
+    ap.add_argument("--pin", action="store_true", help="the server on core 0 (one thread), this driver on core 1")
     args = ap.parse_args()
+    server_cpus = None
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--pin needs two cores")
+        args.threads, server_cpus = 1, {0}
+        os.sched_setaffinity(0, {1})
 
     path = args.model or ensure_tiny(Path(tempfile.gettempdir(), "tether-tiny"))
     print(f"model: {path}; threads: {args.threads}; {args.small} small chat requests (8 tokens, {args.concurrency} "
@@ -199,7 +210,7 @@ def main() -> None:
           f"requests after {args.give_up_s} s (3 attempts each), {args.big_senders} clients sending {args.big_repeats} "
           f"bodies of {args.big_mb} MB each")
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(path, args.threads, Path(tmp) / "serve.log")
+        proc, url = start_server(path, args.threads, Path(tmp) / "serve.log", server_cpus)
         try:
             async def warm() -> None:
                 async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:

@@ -342,3 +342,16 @@ def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expecte
     assert result.exit_code == 0, result.output
     got = {k: (None if seen[k] is None else str(seen[k])) if k == "weights_root" else seen[k] for k in expected}
     assert got == expected
+
+
+def test_uvicorn_runs_on_uvloop_and_httptools():
+    """The pinned uvloop and httptools are what uvicorn picks (serve_throughput --pin: 0.83 -> 0.91 of in-process)."""
+    import uvloop
+    from fastapi import FastAPI
+
+    from tether.serve.server import uvicorn_config
+
+    config = uvicorn_config(FastAPI(), log_level="warning", grace_s=1)
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    assert config.get_loop_factory() is uvloop.new_event_loop

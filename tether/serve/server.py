@@ -28,6 +28,12 @@ from tether.runtime import local_engine
 from tether.serve.app import make_app
 
 
+def uvicorn_config(app: FastAPI, *, log_level: str, grace_s: float) -> uvicorn.Config:
+    """uvicorn's settings for tether serve. Its "auto" loop and HTTP protocol pick uvloop and httptools (pinned
+    dependencies): the per-request and per-chunk cost on the event loop is what the engine's core loses."""
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, loop="auto", http="auto")
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0 = any free port); OSError when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -151,7 +157,7 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
         auth = f"; bearer key from ${api_key_env} required" if api_key_env else "; no key required"
         log(f"serving model {name!r} ({checkpoint}, weight version {engine.version}) on "
             f"http://{shown}:{actual}/v1{auth}")
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+        server = uvicorn.Server(uvicorn_config(app, log_level="info", grace_s=5))
         server.run(sockets=[sock])
     finally:
         engine.close()
@@ -169,7 +175,7 @@ class ServerThread:
 
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, grace_s=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="tether-serve", daemon=True)
 
