@@ -349,7 +349,7 @@ def test_uvicorn_runs_on_uvloop_and_httptools():
     import uvloop
     from fastapi import FastAPI
 
-    from tether.serve.server import uvicorn_config
+    from tether.serve.http import uvicorn_config
 
     config = uvicorn_config(FastAPI(), log_level="warning", grace_s=1)
     config.load()

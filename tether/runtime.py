@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from tether.engine.local import LocalEngine
 from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
+from tether.env.plugin.registry import EnvironmentNotFound, load_import_path
 from tether.env.plugin.registry import resolve as resolve_environment
 from tether.learner.model import cast_copy, ensure_tiny, load_model_and_tokenizer, torch_dtype
 from tether.llm import LLMClient
@@ -178,11 +179,27 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
             raise ConfigError(f"`agent_loop.constrained_tool_calls` = true: {e}") from None
         vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
         grammars = Grammars(tokenizer, vocab or len(tokenizer))
+    extra: dict[str, Any] = {}
+    if cfg.agent_loop.program is not None:
+        extra = {"program": agent_program(cfg.agent_loop.program), "timeout_s": cfg.agent_loop.program_timeout_s}
     return make_agent_loop(
         cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg.engine, greedy=greedy),
         limits=LoopLimits.from_config(cfg.agent_loop, window or cfg.environment.state.context_window),
-        parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids), grammars=grammars,
+        parser=cfg.tool_parser.name, stop_token_ids=tuple(cfg.tool_parser.stop_token_ids), grammars=grammars, **extra,
     )
+
+
+def agent_program(path: str) -> Callable[..., Any]:
+    """The function ``agent_loop.program`` names, with the ``program`` agent loop registered."""
+    import tether.programs  # noqa: F401, PLC0415 — registers the loop; the gateway's server only when asked for
+
+    try:
+        program = load_import_path(path, key="agent_loop.program")
+    except EnvironmentNotFound as e:
+        raise ConfigError(str(e)) from None
+    if not callable(program):
+        raise ConfigError(f"agent_loop.program {path!r} is a {type(program).__name__}, not a function of an Episode")
+    return program
 
 
 def local_engine(model: Any, plan: Plan, engine: EngineConfig, partial: PartialRolloutConfig,
@@ -226,6 +243,7 @@ class Runtime:
     tasks: Callable[[str], list[Task]]
     window: int | None = None  # the context window the model can hold (``context_window``)
     rewards: RewardLoop | None = None  # scores the rubrics when an LLM judge does (``tether.reward``)
+    loops: list[AgentLoopBase] = field(default_factory=list)  # the loops made by ``loop``, closed with the runtime
 
     @classmethod
     def build(cls, cfg: RunConfig, model_dir: str | None = None, engine: Any = None) -> Runtime:
@@ -243,7 +261,11 @@ class Runtime:
                    RewardLoop.from_config(cfg))
 
     def loop(self, *, greedy: bool = False) -> AgentLoopBase:
-        return agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)
+        loop = agent_loop(self.cfg, self.engine, self.tokenizer, greedy=greedy, window=self.window)
+        self.loops.append(loop)
+        return loop
 
     def close(self) -> None:
+        for loop in self.loops:
+            loop.close()
         self.engine.close()

@@ -102,6 +102,7 @@ class AgentLoopBase(ABC):
         self._grammar_of: dict[str, Grammar] = {}  # by the tools' schemas (JSON): compiled once per tool set
         self.tokenizer = tokenizer
         self.limits = limits
+        self.parser_name = parser
         self.parse = get_parser(parser)
         vocab = len(tokenizer)
         bad = [i for i in stop_token_ids if not 0 <= i < vocab]
@@ -127,6 +128,9 @@ class AgentLoopBase(ABC):
     async def run(self, task: Task, env: Env, *, seed: int | None = None) -> Trajectory:
         """Play one episode of ``task`` in ``env`` (already constructed, not yet reset)."""
 
+    def close(self) -> None:  # noqa: B027 — most loops start nothing
+        """Release what the loop started (servers, threads); the engine is its owner's."""
+
 
 class AgentState(enum.Enum):
     PENDING = "pending"
@@ -135,7 +139,8 @@ class AgentState(enum.Enum):
     TERMINATED = "terminated"
 
 
-def _turn_seed(seed: int | None, turn: int) -> int | None:
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of an episode's ``turn``-th generation (None when the episode has none): a hash, so turns differ."""
     if seed is None:
         return None
     digest = hashlib.blake2b(f"{seed}:{turn}".encode(), digest_size=8).digest()
@@ -209,7 +214,7 @@ class _Episode:
         budget = min(self.loop.sampling.max_tokens, limits.context_window - len(self.buf))
         if budget <= 0:
             return self._terminate("context_window")
-        params = replace(self.loop.sampling, max_tokens=budget, seed=_turn_seed(self.seed, self.assistant_turns),
+        params = replace(self.loop.sampling, max_tokens=budget, seed=turn_seed(self.seed, self.assistant_turns),
                          constraint=self.grammar)
         t = time.perf_counter()
         out = await self.loop.engine.generate(self.buf.ids, params)

@@ -17,8 +17,9 @@ class AgentLoopConfig(Section):
     """The multi-turn agent loop (GENERATING ⇄ PROCESSING_TOOLS)."""
 
     name: str = "tool_agent"
-    """Registered agent loop, as in ``@register("tool_agent")`` (``tether.agent.loop``); ``tool_agent`` is the
-    one registered today."""
+    """Registered agent loop, as in ``@register("tool_agent")`` (``tether.agent.loop``): ``tool_agent`` (tether's
+    own state machine) or ``program`` (``agent_loop.program``, a user's agent that calls an OpenAI-compatible
+    endpoint: ``tether.programs``)."""
     max_user_turns: PosInt = 3
     """Maximum user turns per episode, in replies of the (simulated) user; the episode ends (truncated) when
     the user has replied this many times."""
@@ -29,6 +30,17 @@ class AgentLoopConfig(Section):
     get an error observation."""
     tool_selection: Literal["per_sample", "all"] = "per_sample"
     """Offer each sample its task's tools (per_sample) or every tool of the action space (all)."""
+    program: str | None = None
+    """With ``name: program``, the agent program each episode runs: ``module:function`` (a module on the path, in the
+    current directory or beside the config). The function takes a ``tether.programs.Episode`` (the episode's
+    OpenAI-compatible ``base_url``, ``api_key``, ``model``, ``tools``, ``system_prompt``, ``prompt``, ``sampling``,
+    and ``call_tool`` for the environment); sync functions run in a thread, ``async`` ones on the rollout's event
+    loop. Every call it makes is recorded (prompt and completion token ids, logprobs, weight versions) and stitched
+    into the episode's trajectory; a number it returns replaces the environment's reward. The run's sampling
+    (``engine.*``) applies to every call whatever the request says, so the recorded logprobs are the policy's."""
+    program_timeout_s: PosFloat = 600.0
+    """Wall-clock limit of one episode of ``agent_loop.program``; past it the episode ends (``program_timeout``),
+    scored on what was done, and the program's later calls are refused."""
     constrained_tool_calls: bool = False
     """Decode every assistant turn (rollouts and evaluation episodes alike) under a grammar (``tether.engine.grammar``,
     the ``grammar`` extra): free text, or hermes tool calls of the episode's tools whose arguments are valid under the
@@ -38,6 +50,16 @@ class AgentLoopConfig(Section):
     recorded logprobs are the unmasked model's: ``tether.engine.base``). Needs the in-process engine (``engine.type:
     local``), a tool parser that reads hermes blocks (hermes, function_call_parser) and ``engine.min_tokens: 0``.
     tether's own key; off by default."""
+
+    @model_validator(mode="after")
+    def _program_with_its_loop(self) -> AgentLoopConfig:
+        _check((self.name == "program") == (self.program is not None),
+               "agent_loop.program is the program of name: program; give both or neither", name=self.name,
+               program=self.program)
+        if self.program is not None:
+            module, _, attr = self.program.partition(":")
+            _check(bool(module and attr), "agent_loop.program is 'module:function'", program=self.program)
+        return self
 
 
 class ToolParserConfig(Section):

@@ -83,7 +83,8 @@ class Accumulation:
             mine, weight = learner.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
             out = loss_fn(self.inputs(mine), learner.objective, entropy_coef=learner.entropy_coef,
                           kl_coef=learner.kl_coef, kl_estimator=learner.kl_estimator, distill=learner.distill)
-            (out.loss if weight == 1.0 else out.loss * weight).backward()
+            if out.loss.requires_grad:  # a micro-batch without one model token has a constant loss: no gradient
+                (out.loss if weight == 1.0 else out.loss * weight).backward()
             self.loss += out.loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight
             self.trained_tokens += n_tok

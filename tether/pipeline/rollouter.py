@@ -299,6 +299,9 @@ def record_rollout_metrics(trajs: list[Trajectory], elapsed_s: float | None,
         record_metric(f"agent/{field}", sum(getattr(t.metrics, field) for t in trajs) / n)
     record_metric("agent/num_tool_calls", sum(t.num_tool_calls for t in trajs) / n)
     record_metric("agent/errors", sum(len(t.errors) for t in trajs) / n)
+    for cause in ("program_error", "program_timeout"):  # agent_loop: program (tether.programs.loop)
+        if failed := sum(t.termination == cause for t in trajs):
+            record_metric(f"agent/{cause}s", failed, "sum")
     record_metric("rollout/response_tokens", sum(t.num_model_tokens for t in trajs) / n)
     record_metric("rollout/truncated_ratio", sum(t.truncated for t in trajs) / n)
     record_metric("rollout/max_turns_failed", sum(t.max_turns_failed for t in trajs) / n)  # max_turns_exceeded: fail

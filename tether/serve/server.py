@@ -1,18 +1,13 @@
-"""Running the app: ``serve`` (the ``tether serve`` command, blocking) and ``ServerThread`` (in-process, for tests
-and for a co-located trainer).
-
-Both bind the listening socket themselves before uvicorn starts, so port 0 picks a free port without a race and
-the actual address is known (``serve`` prints it; ``ServerThread.base_url``).
+"""Running the app: ``serve`` (the ``tether serve`` command, blocking) over a local engine of a checkpoint
+(``build``), with its start-up checks (chat template, exposure warning). The socket is bound before uvicorn starts
+(``tether.serve.http``), so port 0 picks a free port and ``serve`` prints the actual address.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ipaddress
-import socket
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,28 +21,7 @@ from tether.config.plan import Plan
 from tether.learner.model import load_model_and_tokenizer
 from tether.runtime import local_engine
 from tether.serve.app import make_app
-
-
-def uvicorn_config(app: FastAPI, *, log_level: str, grace_s: float) -> uvicorn.Config:
-    """uvicorn's settings for tether serve. Its "auto" loop and HTTP protocol pick uvloop and httptools (pinned
-    dependencies): the per-request and per-chunk cost on the event loop is what the engine's core loses."""
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, loop="auto", http="auto")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0 = any free port); OSError when the port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
+from tether.serve.http import bind, uvicorn_config
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
@@ -162,43 +136,3 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
     finally:
         engine.close()
         sock.close()
-
-
-class ServerThread:
-    """``app`` served by uvicorn in a background thread on ``host`` (a free port unless given).
-
-    >>> with ServerThread(app) as server:
-    ...     OpenAI(base_url=server.base_url + "/v1", api_key="...")
-    """
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-
-        self.sock = bind(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, grace_s=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="tether-serve", daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on {self.base_url} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -46,7 +46,8 @@ from tether.config import RunConfig
 from tether.llm import LLMClient
 from tether.pipeline.rollouter import episode_seed
 from tether.runtime import Runtime, sampling_params
-from tether.serve.server import ServerThread, build
+from tether.serve.http import ServerThread
+from tether.serve.server import build
 from tether.verify.consistency_paths import DeployClient, Episode, Settings, Turn, training_episode
 
 THRESHOLD = 0.9

@@ -77,37 +77,37 @@ def search_beside(config_files: Sequence[str | Path]) -> None:
             _BESIDE.append(folder)
 
 
-def load_import_path(path: str) -> Any:
+def load_import_path(path: str, key: str = "environment.name") -> Any:
     """The attribute ``path`` = ``package.module:attribute`` names, importing its module (from sys.path, else the
-    current directory, else beside the config files)."""
+    current directory, else beside the config files); errors name ``key``, the config key that gave ``path``."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise EnvironmentNotFound(f"environment.name {path!r}: an import path is 'package.module:attribute'")
+        raise EnvironmentNotFound(f"{key} {path!r}: an import path is 'package.module:attribute'")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         top = module_name.split(".")[0]
         folders = [d for d in dict.fromkeys([os.getcwd(), *_BESIDE]) if d not in sys.path]
         if e.name != top or not folders:
-            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} ({e})") from e
+            raise EnvironmentNotFound(f"{key} {path!r}: cannot import {module_name} ({e})") from e
         for folder in folders:  # the first one that holds the module goes on sys.path, as `python -m` would put it
             if importlib.machinery.PathFinder.find_spec(top, [folder]) is not None:
                 sys.path.insert(0, folder)
                 break
         else:
-            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} from sys.path, the "
+            raise EnvironmentNotFound(f"{key} {path!r}: cannot import {module_name} from sys.path, the "
                                       f"current directory or beside the config ({', '.join(folders)})") from e
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e2:
-            raise EnvironmentNotFound(f"environment.name {path!r}: cannot import {module_name} from {folder} "
+            raise EnvironmentNotFound(f"{key} {path!r}: cannot import {module_name} from {folder} "
                                       f"({e2})") from e2
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise EnvironmentNotFound(f"environment.name {path!r}: module {module_name} has no {attr!r}") from None
+            raise EnvironmentNotFound(f"{key} {path!r}: module {module_name} has no {attr!r}") from None
     return obj
 
 
