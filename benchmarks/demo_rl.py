@@ -22,12 +22,13 @@ from tether.pipeline.trainer import train  # noqa: E402
 
 
 def warm_start_dir(sft: Path | None, root: Path, seed: int = 0) -> Path:
-    """``sft`` if given, else the demo's warm start for ``seed`` built under ``root`` (~2-3 min)."""
+    """``sft`` if given, else the demo's warm start: the tiny-sft preset (built into the cache once, a few minutes;
+    ``root`` is not used since the preset moved to the cache)."""
     if sft is not None:
         return sft
     from demo import warm_start  # noqa: PLC0415 — the demo's warm start, only when asked for
 
-    return warm_start(load_config([DEMO / "config.yaml"], [f"trainer.seed={seed}"]), root / "warm", seed)
+    return warm_start(load_config([DEMO / "config.yaml"], [f"trainer.seed={seed}"]))[0]
 
 
 def rl_run(sft: Path, run_dir: Path, overrides: list[str], files: tuple[Path, ...] = ()) -> dict:

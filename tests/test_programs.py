@@ -260,3 +260,55 @@ def test_a_recorded_call_keeps_the_runs_sampling_and_limits():
     with pytest.raises(SessionLimit, match="context window"):
         full.admit([1] * 100, asked)
     assert full.ending == "context_window" and full.started == 0
+
+
+COMMAND = '''
+import json, os, sys, httpx
+from openai import OpenAI
+episode = json.loads(os.environ["TETHER_EPISODE"])
+if sys.argv[1:] == ["fail"]:
+    raise SystemExit("no luck: " + episode["task_id"])
+if sys.argv[1:] == ["sleep"]:
+    import time; time.sleep(30)
+client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY point at the episode's endpoint
+messages = [{"role": "system", "content": episode["system_prompt"]}, {"role": "user", "content": episode["prompt"]}]
+reply = client.chat.completions.create(model=os.environ["TETHER_MODEL"], messages=messages, tools=episode["tools"])
+call = reply.choices[0].message.tool_calls[0]
+head = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
+url = os.environ["TETHER_EPISODE_URL"]
+obs = httpx.post(f"{url}/tools/{call.function.name}", json=json.loads(call.function.arguments), headers=head,
+                 trust_env=False).json()
+done = httpx.get(url, headers=head, trust_env=False).json()["done"]
+print(json.dumps(obs), done, file=sys.stderr)
+print("0.5" if "SKU-1" in obs["text"] else "-1")  # the tool answered about SKU-1 (not found)
+'''
+
+
+def test_a_command_program_plays_through_its_environment_variables(world, tmp_path):
+    """agent_loop.program_command: a process per episode, pointed at its endpoint by OPENAI_BASE_URL / _API_KEY,
+    its tools over TETHER_EPISODE_URL; its last stdout line is the reward; a failure and a timeout are counted."""
+    import sys
+
+    cfg, rt = world
+    make_env, tasks = env_factory(cfg)
+    script = tmp_path / "agent_cmd.py"
+    script.write_text(COMMAND)
+    text = action_text({"name": "query_inventory", "params": {"sku_id": "SKU-1"}})
+
+    def run(*args, timeout_s=60.0):
+        loop = make_agent_loop("program", engine=ScriptedEngine(rt.tokenizer, [text]), tokenizer=rt.tokenizer,
+                               sampling=SamplingParams(max_tokens=64), limits=LoopLimits(3, 4, 2, 4096),
+                               program=[sys.executable, str(script), *args], timeout_s=timeout_s)
+        try:
+            return asyncio.run(loop.run(tasks("train")[0], make_env(), seed=1))
+        finally:
+            loop.close()
+
+    t = run()
+    assert (t.reward, t.num_tool_calls, t.num_assistant_turns, len(t.segments)) == (0.5, 1, 1, 1), t.errors
+    assert t.termination == "no_action" and t.response_mask.count(1) == len(rt.tokenizer.encode(text)) + 1
+    t = run("fail")
+    assert t.termination == "program_error"
+    assert t.errors == [f"program command exited with status 1: no luck: {tasks('train')[0].id}"]
+    t = run("sleep", timeout_s=1.0)
+    assert t.termination == "program_timeout"

@@ -172,6 +172,8 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
                window: int | None = None) -> AgentLoopBase:
     """The configured agent loop; ``window``: the context window checked against the model (``context_window``)."""
     grammars = None
+    if cfg.agent_loop.name == "program":
+        import tether.programs  # noqa: F401, PLC0415 — registers the loop (FastAPI, uvicorn: only when asked for)
     if cfg.agent_loop.constrained_tool_calls:  # masks the engine's logits: as wide as its model's (else the tokenizer)
         try:
             check_grammar_available()
@@ -180,8 +182,9 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
         vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
         grammars = Grammars(tokenizer, vocab or len(tokenizer))
     extra: dict[str, Any] = {}
-    if cfg.agent_loop.program is not None:
-        extra = {"program": agent_program(cfg.agent_loop.program), "timeout_s": cfg.agent_loop.program_timeout_s}
+    if cfg.agent_loop.name == "program":
+        program = agent_program(cfg.agent_loop.program) if cfg.agent_loop.program else cfg.agent_loop.program_command
+        extra = {"program": program, "timeout_s": cfg.agent_loop.program_timeout_s}
     return make_agent_loop(
         cfg.agent_loop.name, engine=engine, tokenizer=tokenizer, sampling=sampling_params(cfg.engine, greedy=greedy),
         limits=LoopLimits.from_config(cfg.agent_loop, window or cfg.environment.state.context_window),
@@ -190,8 +193,7 @@ def agent_loop(cfg: RunConfig, engine: InferenceEngine, tokenizer: Any, *, greed
 
 
 def agent_program(path: str) -> Callable[..., Any]:
-    """The function ``agent_loop.program`` names, with the ``program`` agent loop registered."""
-    import tether.programs  # noqa: F401, PLC0415 — registers the loop; the gateway's server only when asked for
+    """The function ``agent_loop.program`` names."""
 
     try:
         program = load_import_path(path, key="agent_loop.program")

@@ -1,12 +1,16 @@
 """A customer-service agent written with the official openai SDK, trained by tether as it is (config.yaml)."""
 
-
+import httpx
 from openai import OpenAI
+
+# One connection pool for every episode: a new client per episode builds an SSL context each time (measured: the
+# rollout took 3.6x the tool_agent loop's with a client per episode, 1.9x with this shared one).
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=512), trust_env=False)
 
 
 def agent(ep) -> None:
     """One episode: ask the model, run its tool calls, send its plain text to the user, until the episode ends."""
-    client = OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    client = OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, http_client=HTTP)
     messages = ep.messages()  # the system prompt and the user's opening message
     while not ep.done:
         reply = client.chat.completions.create(model=ep.model, messages=messages, tools=ep.tools, **ep.sampling)

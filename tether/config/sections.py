@@ -38,6 +38,14 @@ class AgentLoopConfig(Section):
     loop. Every call it makes is recorded (prompt and completion token ids, logprobs, weight versions) and stitched
     into the episode's trajectory; a number it returns replaces the environment's reward. The run's sampling
     (``engine.*``) applies to every call whatever the request says, so the recorded logprobs are the policy's."""
+    program_command: list[str] | None = None
+    """With ``name: program``, instead of ``program``: a command run once per episode (argv, no shell; relative paths
+    from the current directory), with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``TETHER_MODEL`` set to the episode's
+    endpoint (so the official SDK's ``OpenAI()`` finds it), ``TETHER_EPISODE`` (JSON: ``system_prompt``, ``prompt``,
+    ``tools``, ``sampling``, ``task_id``) and ``TETHER_EPISODE_URL``: ``POST $TETHER_EPISODE_URL/tools/<name>`` with
+    the arguments as the JSON body runs a tool (``{"text", "user_reply", "error", "done"}``), ``GET`` it tells
+    ``done`` (both with the same bearer key). A non-zero exit is ``program_error`` (its stderr's last line in the
+    trajectory's errors); a number printed as its last line of stdout replaces the reward."""
     program_timeout_s: PosFloat = 600.0
     """Wall-clock limit of one episode of ``agent_loop.program``; past it the episode ends (``program_timeout``),
     scored on what was done, and the program's later calls are refused."""
@@ -53,9 +61,13 @@ class AgentLoopConfig(Section):
 
     @model_validator(mode="after")
     def _program_with_its_loop(self) -> AgentLoopConfig:
-        _check((self.name == "program") == (self.program is not None),
-               "agent_loop.program is the program of name: program; give both or neither", name=self.name,
-               program=self.program)
+        given = (self.program is not None) + (self.program_command is not None)
+        _check(given <= 1, "give agent_loop.program or agent_loop.program_command, not both")
+        _check((self.name == "program") == (given == 1),
+               "agent_loop.program (or program_command) is the program of name: program; give both or neither",
+               name=self.name, program=self.program, program_command=self.program_command)
+        _check(self.program_command is None or len(self.program_command) > 0,
+               "agent_loop.program_command is a non-empty argv list")
         if self.program is not None:
             module, _, attr = self.program.partition(":")
             _check(bool(module and attr), "agent_loop.program is 'module:function'", program=self.program)

@@ -2,12 +2,13 @@
 
 Per episode: the environment is reset, the program gets an ``Episode`` (its own endpoint on the gateway, the task's
 tools and the environment's ``call_tool``) and runs — a sync function in a thread of the loop's pool, an ``async``
-one on the rollout's event loop — under ``agent_loop.program_timeout_s``. Its calls' tokens are stitched into the
-trajectory's segments (``stitch.py``) and the environment scores the episode: when the environment ended it, with
-that step's reward; otherwise with ``finalize(reason)``, the reason being the limit that stopped it
-(``max_assistant_turns``, ``max_user_turns``, ``context_window``), ``no_action`` when the program returned by
-itself, ``program_timeout`` or ``program_error`` (its exception in the trajectory's errors, as a failed tool
-would be). A number the program returns replaces the reward (``reward_components["program"]``).
+one on the rollout's event loop, a command as a process (``command.py``) — under ``agent_loop.program_timeout_s``.
+Its calls' tokens are stitched into the trajectory's segments (``stitch.py``) and the environment scores the
+episode: when the environment ended it, with that step's reward; otherwise with ``finalize(reason)``, the reason
+being the limit that stopped it (``max_assistant_turns``, ``max_user_turns``, ``context_window``), ``no_action``
+when the program returned by itself, ``program_timeout`` or ``program_error`` (its exception in the trajectory's
+errors, as a failed tool would be). A number the program returns replaces the reward
+(``reward_components["program"]``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import inspect
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,6 +25,7 @@ from tether.agent.chat import ChatAssembler, TokenBuffer
 from tether.agent.loop import AgentLoopBase, register
 from tether.env.base import Env
 from tether.env.termination import CUT_REASONS
+from tether.programs.command import CommandFailed, run_command
 from tether.programs.episode import Episode, Limits
 from tether.programs.gateway import MODEL_NAME, Gateway
 from tether.programs.recording import Session
@@ -35,7 +37,9 @@ _POOL_THREADS = 256  # sync programs at once (each mostly waits on HTTP and tool
 
 @register("program")
 class ProgramAgentLoop(AgentLoopBase):
-    def __init__(self, *args: Any, program: Callable[[Episode], Any], timeout_s: float = 600.0, **kwargs: Any):
+    def __init__(self, *args: Any, program: Callable[[Episode], Any] | Sequence[str], timeout_s: float = 600.0,
+                 **kwargs: Any):
+        """program: a function of an ``Episode``, or a command (argv) run once per episode (``command.py``)."""
         super().__init__(*args, **kwargs)
         self.program, self.timeout_s = program, timeout_s
         self._gateway: Gateway | None = None
@@ -75,6 +79,7 @@ class ProgramAgentLoop(AgentLoopBase):
                      env=env, session=session, loop=asyncio.get_running_loop(),
                      limits=Limits(self.limits.max_user_turns, self.limits.max_assistant_turns,
                                    self.limits.max_parallel_calls))
+        session.episode = ep
         returned, failure = await self._play(ep)
         gateway.close_session(session)
         return self._trajectory(ep, returned, failure)
@@ -82,18 +87,21 @@ class ProgramAgentLoop(AgentLoopBase):
     async def _play(self, ep: Episode) -> tuple[Any, str | None]:
         """What the program returned, and why it failed (None when it did not)."""
         try:
-            if inspect.iscoroutinefunction(self.program):
-                work: Any = self.program(ep)
+            program = self.program
+            if not callable(program):
+                work: Any = run_command(program, ep)
+            elif inspect.iscoroutinefunction(program):
+                work = program(ep)
             else:
                 assert self._pool is not None
-                work = asyncio.get_running_loop().run_in_executor(self._pool, self.program, ep)
+                work = asyncio.get_running_loop().run_in_executor(self._pool, program, ep)
             return await asyncio.wait_for(work, self.timeout_s), None
         except TimeoutError:
             return None, "program_timeout"
         except Exception as e:  # noqa: BLE001 — the program's failure is the episode's, counted like a tool's
             if ep.session.ending is not None:  # it stopped on a limit the endpoint enforced
                 return None, None
-            ep.errors.append(f"program raised {type(e).__name__}: {e}")
+            ep.errors.append(str(e) if isinstance(e, CommandFailed) else f"program raised {type(e).__name__}: {e}")
             return None, "program_error"
         finally:
             ep.end()

@@ -46,6 +46,7 @@ class Session:
         self.started = 0  # calls admitted (some may still run)
         self.ending: str | None = None  # the limit that refused a call: "max_assistant_turns", "context_window"
         self.closed = False
+        self.episode: Any = None  # the program's Episode (the gateway's /episode routes act on it)
         self._lock = threading.Lock()
 
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
