@@ -41,6 +41,7 @@ from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.faults import fault
 from tether.pipeline.ledger import Ledger
 from tether.pipeline.queue import MessageQueue, QueuedGroup
+from tether.errors import StopRun
 from tether.pipeline.rollouter import RolloutError, record_rollout_metrics
 from tether.pipeline.shaping import GroupProducer, Produced, record_production_metrics
 from tether.pipeline.staleness import AdmissionController, stale_filter, version_lag_stats
@@ -233,6 +234,8 @@ class AsyncSource:
         missing = n - len(self.buffer)
         if missing > 0:
             got = self.queue.get_batch(missing, timeout=600.0)
+            if isinstance(self._error, StopRun):  # the environment's own one line, as in sync mode
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("the rollouter failed") from self._error
             if got is None:
