@@ -72,8 +72,10 @@ class ServerPool:
         self._thread.start()
         atexit.register(self.shutdown)
         try:
+            for s in self.servers:  # launched together, then waited for: N servers start in the time of one
+                s.launch()
             for s in self.servers:
-                s.start(cfg.start_timeout_s)
+                s.wait_ready(cfg.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise

@@ -69,6 +69,11 @@ class ServerProcess:
         return f"OpenEnv server {self.index} ({self.spec.app}, pid {self.pid}, {self.url})"
 
     def start(self, timeout_s: float) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (a new one on a new port); ``wait_ready`` waits for its health."""
         self.stop()
         self.port = free_port()
         cmd = [sys.executable, "-m", "uvicorn", self.spec.app, "--app-dir", str(self.spec.app_dir), "--host",
@@ -79,6 +84,9 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, cwd=str(self.spec.app_dir),
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
