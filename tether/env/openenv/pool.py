@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import subprocess
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -45,13 +46,26 @@ class OpenEnvError(RuntimeError):
 
 
 class Endpoint:
-    """Where one episode talks: a URL, and the process behind it when tether started it."""
+    """Where one episode talks: a URL, and the process behind it when tether started it (that process, not its
+    slot's current one: a replacement started meanwhile must not hide this one's death)."""
 
     def __init__(self, url: str, server: ServerProcess | None):
         self.url, self.server = url, server
+        self.proc = server.proc if server is not None else None
+        self.description = server.describe() if server is not None else f"the OpenEnv server at {url}"
+
+    def exit_status(self, wait_s: float) -> int | None:
+        """The process's exit code (negative: the signal that killed it), None while it runs or for a URL; waits up
+        to ``wait_s`` (a lost connection is seen a moment before the dead process is reaped)."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def describe(self) -> str:
-        return self.server.describe() if self.server is not None else f"the OpenEnv server at {self.url}"
+        return self.description
 
 
 class ServerPool:
@@ -143,8 +157,7 @@ class ServerPool:
 
     @staticmethod
     def _exit_status(where: Endpoint) -> int | None:
-        # a lost connection is seen a moment before the dead process is reaped
-        return where.server.exit_status(wait_s=0.5) if where.server is not None else None
+        return where.exit_status(wait_s=0.5)
 
     def _fault(self, where: Endpoint, error: Exception, status: int | None) -> Exception:
         text = f"{type(error).__name__}: {error}"

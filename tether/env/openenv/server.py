@@ -115,15 +115,9 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def exit_status(self, wait_s: float = 0.0) -> int | None:
-        """The exit code of the current process (negative: killed by that signal), None while it runs; waits up to
-        ``wait_s`` for it to end (a lost connection is seen a moment before the process is reaped)."""
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout=wait_s) if wait_s > 0 else self.proc.poll()
-        except subprocess.TimeoutExpired:
-            return None
+    def exit_status(self) -> int | None:
+        """The current process's exit code (negative: killed by that signal), None while it runs."""
+        return self.proc.poll() if self.proc is not None else None
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
