@@ -7,6 +7,7 @@ from typing import Literal
 
 from tether.config.base import PosFloat, PosInt, Section
 
+
 class OpenEnvConfig(Section):
     """An OpenEnv server: the one at ``openenv:<url>``, or the ones tether starts for ``openenv:<module | file.py |
     folder>`` (uvicorn on a free loopback port each, stopped when the run ends)."""

@@ -36,12 +36,12 @@ from typing import Protocol
 from tether.algo.advantages import Normalization
 from tether.config import BufferConfig
 from tether.config.plan import Plan
+from tether.errors import StopRun
 from tether.metrics import BusyClock, record_metric
 from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.faults import fault
 from tether.pipeline.ledger import Ledger
 from tether.pipeline.queue import MessageQueue, QueuedGroup
-from tether.errors import StopRun
 from tether.pipeline.rollouter import RolloutError, record_rollout_metrics
 from tether.pipeline.shaping import GroupProducer, Produced, record_production_metrics
 from tether.pipeline.staleness import AdmissionController, stale_filter, version_lag_stats

@@ -31,7 +31,7 @@ def _client_class() -> type:
     from openenv.core.env_server.types import State  # noqa: PLC0415 — the optional extra ``openenv``
     from openenv.core.mcp_client import MCPToolClient  # noqa: PLC0415 — the optional extra ``openenv``
 
-    class _Client(MCPToolClient):  # type: ignore[misc, valid-type]
+    class _Client(MCPToolClient):
         last: dict[str, Any] = {}
 
         def _parse_result(self, payload: dict[str, Any]) -> Any:
