@@ -8,3 +8,9 @@ from __future__ import annotations
 
 class ConfigError(Exception):
     """A config that cannot be used; the message names the key, the file and what is allowed."""
+
+
+class StopRun(RuntimeError):
+    """An environment's fault that its config says must stop the run (e.g. ``environment.openenv.on_server_death:
+    stop``): the rollouter neither retries nor counts it as one failed episode, it ends the run; the message names
+    the cause."""

@@ -134,6 +134,14 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
     return (lambda: make(cfg)), tasks
 
 
+def shutdown_environment(make_env: Callable[[], Env]) -> None:
+    """Release what the episodes ``make_env`` spawns share (an environment's ``shutdown()``: the OpenEnv servers
+    tether started), at the end of the run; nothing for environments without one."""
+    shutdown = getattr(getattr(make_env, "__self__", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
 def sampling_params(e: EngineConfig, *, greedy: bool = False) -> SamplingParams:
     """The engine section's sampling; ``greedy``: the plain argmax of the policy (held-out evaluation), without the
     truncation (which cannot change it) nor the penalties and min_tokens (which would score a shaped policy, not the
@@ -271,3 +279,4 @@ class Runtime:
         for loop in self.loops:
             loop.close()
         self.engine.close()
+        shutdown_environment(self.make_env)

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tether.config.base import *  # noqa: F401,F403 — the shared types
 from tether.config.base import NonNegInt, PosInt, Section, Weight, _check  # noqa: F401
+from tether.config.openenv import OpenEnvConfig
 from tether.config.sections import LLMClientConfig
 
 # ----------------------------------------------------------------------------- environment
@@ -17,6 +18,7 @@ HackPattern = Literal["repeated_tool_calls", "context_stuffing", "no_op_pass"]
 Word = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 # What the built-in customer-service environment offers (its env checks them too; here so that `tether config` does).
 CUSTOMER_SERVICE = "customer_service_agent"
+OPENENV_PREFIX = "openenv:"  # environment.name: openenv:<url | app> (tether.env.openenv)
 CS_OBSERVATION_FIELDS = ("last_tool_result", "user_intent", "order_status", "inventory_snapshot")
 CS_RULE_CHECKS = ("refund_amount_correct", "policy_compliance")
 
@@ -240,6 +242,16 @@ class EnvironmentConfig(Section):
     resolved (tau-bench's user simulator). tether's own key."""
     user_llm: UserLLMConfig | None = None
     """The LLM user simulator's endpoint and sampling; required with ``user_simulator: llm``, refused otherwise."""
+    openenv: OpenEnvConfig | None = None
+    """How an OpenEnv environment (``name: openenv:<url | module | file.py | folder>``) is served and talked to;
+    its defaults apply when not given; refused with any other ``name``."""
+
+    @model_validator(mode="after")
+    def _openenv(self) -> EnvironmentConfig:
+        _check(self.openenv is None or self.name.startswith(OPENENV_PREFIX),
+               "environment.openenv configures an OpenEnv environment: set environment.name: openenv:<url or app>, "
+               "or remove the openenv section", name=self.name, openenv="set" if self.openenv is not None else None)
+        return self
 
     @model_validator(mode="after")
     def _user_llm(self) -> EnvironmentConfig:

@@ -36,6 +36,7 @@ from typing import Protocol
 from tether.algo.advantages import Normalization
 from tether.config import BufferConfig
 from tether.config.plan import Plan
+from tether.errors import StopRun
 from tether.metrics import BusyClock, record_metric
 from tether.pipeline.buffer import ReplayBuffer
 from tether.pipeline.faults import fault
@@ -233,6 +234,8 @@ class AsyncSource:
         missing = n - len(self.buffer)
         if missing > 0:
             got = self.queue.get_batch(missing, timeout=600.0)
+            if isinstance(self._error, StopRun):  # the environment's own one line, as in sync mode
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("the rollouter failed") from self._error
             if got is None:

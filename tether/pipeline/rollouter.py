@@ -19,7 +19,8 @@ as a zero), so one broken episode never stops the run. Only when *every* episode
 (``rewards``, ``tether.reward``) as soon as the episode ends, while the other episodes keep generating;
 ``GroupProducer`` settles a judge failure by ``reward.on_judge_failure``, ``groups`` by the rule checks alone.
 Evaluation asks for ``keep_failed``: a failed episode stays in its place as an unsuccessful trajectory whose
-``termination`` is ``failed:<cause>``.
+``termination`` is ``failed:<cause>``. The one exception: ``StopRun`` (an environment configured to stop the run on
+a fault, e.g. ``environment.openenv.on_server_death: stop``) is neither retried nor counted, it ends the run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from tether.agent.loop import AgentLoopBase
 from tether.env.base import Env
+from tether.errors import StopRun
 from tether.metrics import record_metric
 from tether.pipeline.staleness import mask_older_segments
 from tether.reward.loop import RewardLoop
@@ -85,12 +87,16 @@ class EpisodeEnv:
                 return await self._env.astep(action)
             async with self._pool.slot():
                 return await self._env.astep(action)
+        except StopRun:
+            raise
         except Exception as e:
             raise EpisodeFailure("env", e) from e
 
     def finalize(self, termination: str):
         try:
             return self._env.finalize(termination)
+        except StopRun:
+            raise
         except Exception as e:
             raise EpisodeFailure("verifier", e) from e
 
@@ -102,6 +108,8 @@ class EpisodeEnv:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return value(*args, **kwargs)
+            except StopRun:
+                raise
             except Exception as e:
                 raise EpisodeFailure("env", e) from e
 
@@ -164,6 +172,8 @@ class Rollouter:
             try:
                 try:
                     env = EpisodeEnv(self.make_env(), self.workers)
+                except StopRun:
+                    raise
                 except Exception as e:
                     raise EpisodeFailure("env", e) from e
                 attempt_seed = seed if attempt == 0 else episode_seed(seed, "retry", attempt)
@@ -176,6 +186,8 @@ class Rollouter:
                 reasons.append(f"timed out after {self.timeout_s} s")
                 cause = "timeout"
                 record_metric("rollout/episode_timeouts", 1, "sum")
+            except StopRun:
+                raise
             except Exception as e:  # noqa: BLE001 — recorded, retried, and counted and raised below
                 cause = failure_cause(e)
                 reasons.append(f"{cause}: {e}" if isinstance(e, EpisodeFailure) else f"{type(e).__name__}: {e}")

@@ -4,6 +4,8 @@ An environment is a pair ``(make_env(config), list_tasks(split, config))`` — `
 ``RunConfig`` — or anything that yields one: an object with ``make_env`` and ``list_tasks`` methods (a
 ``ToolEnvironment``), or a function of no arguments returning either. ``environment.name`` is resolved in order:
 
+0. ``openenv:<url | module | file.py | folder>`` — an OpenEnv server, running or started by tether, through
+   ``tether.env.openenv.environment(target)``, imported only then (the optional extra ``tether[openenv]``);
 1. ``tau2:<domain>`` — tau2-bench's domain through ``tether.env.tau2.environment(domain)``, imported only then
    (the optional extra ``tether[tau2]``);
 2. a name in ``ENVIRONMENTS`` (built in: ``customer_service_agent``; ``register(name, env)`` adds one);
@@ -29,6 +31,7 @@ from tether.types import Task
 
 ENTRY_POINT_GROUP = "tether.environments"
 TAU2_PREFIX = "tau2:"
+OPENENV_PREFIX = "openenv:"
 EnvPair = tuple[Callable[[Any], Any], Callable[[str, Any], list[Task]]]
 # name -> an environment, or the import path of one (imported when selected)
 ENVIRONMENTS: dict[str, Any] = {"customer_service_agent": "tether.env.customer_service.env:environment"}
@@ -42,7 +45,7 @@ class EnvironmentNotFound(ValueError):
 
 def register(name: str, environment: Any) -> None:
     """Make ``environment`` (a pair, a ``ToolEnvironment``, a factory or an import path) selectable by ``name``."""
-    if name.startswith(TAU2_PREFIX) or ":" in name:
+    if name.startswith((TAU2_PREFIX, OPENENV_PREFIX)) or ":" in name:
         raise ValueError(f"environment name {name!r} must not contain ':' (that form is an import path)")
     ENVIRONMENTS[name] = environment
 
@@ -131,9 +134,20 @@ def tau2_environment(name: str) -> EnvPair:
     return as_pair(tau2.environment(domain), f"environment.name {name!r}")
 
 
+def openenv_environment(name: str) -> EnvPair:
+    from tether.env import openenv  # noqa: PLC0415 — imports openenv-core only when it is used (make_env)
+
+    if not openenv.available():
+        raise EnvironmentNotFound(f"environment.name {name!r} needs openenv-core, which is not installed; "
+                                  f"{openenv.INSTALL_HINT}")
+    return as_pair(openenv.environment(name[len(OPENENV_PREFIX):]), f"environment.name {name!r}")
+
+
 def resolve(name: str) -> EnvPair:
     """The ``(make_env, list_tasks)`` pair ``environment.name`` selects (module docstring); raises
     ``EnvironmentNotFound`` naming what was tried."""
+    if name.startswith(OPENENV_PREFIX):
+        return openenv_environment(name)
     if name.startswith(TAU2_PREFIX):
         return tau2_environment(name)
     if name in ENVIRONMENTS:
