@@ -226,3 +226,27 @@ def test_streamable_http_server_with_a_header_from_the_environment(http_server, 
         assert [int(call(env, "bump")[0]) for _ in range(2)] == [1, 2]
     finally:
         env.close()
+
+
+def test_a_tool_call_goes_from_model_text_through_mcp_into_the_next_prompt(tiny_model):
+    """The agent loop: the scripted model's hermes call is parsed, run by the MCP server, and its result is in the
+    prompt of the next turn (and the trajectory counts the call)."""
+    from tether.engine.scripted import ScriptedEngine
+    from tether.learner.model import load_model_and_tokenizer
+    from tether.runtime import agent_loop
+
+    tok = load_model_and_tokenizer(tiny_model)[1]
+    cfg = RunConfig.model_validate({**config(STDIO), "model": {"preset": None, "path": tiny_model}})
+    env = DEFINITION.make_env(cfg)
+    try:
+        call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3.25}}\n</tool_call>'
+        engine = ScriptedEngine(tok, [call_text, '<tool_call>\n{"name": "submit", "arguments": {"answer": "5.25"}}'
+                                                 '\n</tool_call>', "Done."])
+        task = env.tasks("train")[0]
+        traj = asyncio.run(agent_loop(cfg, engine, tok).run(task, env.spawn(), seed=0))
+        first, second = (tok.decode(p) for p in engine.prompts[:2])
+        assert "add(a, b): Add two numbers." in first  # the chat template shows the MCP tool
+        assert second.startswith(first) and "5.25" in second[len(first):]  # the server's answer, next turn
+        assert traj.num_tool_calls >= 2 and not traj.errors
+    finally:
+        env.close()
