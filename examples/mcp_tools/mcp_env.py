@@ -1,6 +1,7 @@
 """``examples/custom_env``'s calculator with its ``calculate`` tool served by an MCP server (``calc_server.py``): the
 environment keeps ``respond_to_user`` and the state; ``environment.mcp_servers`` adds the server's tools to every
-episode, and ``on_result`` records what ``calculate`` answered. Selected by ``environment.name: mcp_env:environment``."""
+episode, and ``on_result`` records what ``calculate`` answered. Selected by
+``environment.name: mcp_env:environment``."""
 
 from __future__ import annotations
 

@@ -241,11 +241,12 @@ class McpTools:
             raise
         except Exception as e:  # noqa: BLE001 — any failure to start is a bad server config, said with its cause
             where = f" (its stderr: {server_log(name)})" if server.config.command is not None else ""
-            while isinstance(e, BaseExceptionGroup) and e.exceptions:  # anyio's task groups wrap the cause
-                e = e.exceptions[0]
-            cause = getattr(e, "message", None) or str(e) or type(e).__name__
+            leaf: BaseException = e
+            while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # anyio's task groups wrap the cause
+                leaf = leaf.exceptions[0]
+            cause = getattr(leaf, "message", None) or str(leaf) or type(leaf).__name__
             raise ConfigError(f"`{server.key}`: MCP server {name} did not start or list its tools{where}: "
-                              f"{type(e).__name__}: {cause}") from None
+                              f"{type(leaf).__name__}: {cause}") from None
         if server.config.tools is None:
             return tools
         by_name = {t.name: t for t in tools}
