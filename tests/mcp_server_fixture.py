@@ -2,7 +2,8 @@
 
 Tools: ``add`` (a sum), ``bump`` (a counter of this server process: fresh per process, kept by a shared session),
 ``nap`` (sleeps: timeouts), ``fail`` (an ``isError`` result), ``pid`` (the server's process id), ``shape`` (structured
-content only, no text), ``whoami`` (the HTTP request's Authorization header, to show a header reached the server).
+content only, no text), ``whoami`` (the HTTP request's Authorization header, to show a header reached the server),
+``env_var`` (a variable of the server's environment and its working directory).
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def whoami() -> str:
     from fastmcp.server.dependencies import get_http_headers
 
     return get_http_headers(include={"authorization"}).get("authorization", "")
+
+
+@server.tool
+def env_var(var: str) -> str:
+    """An environment variable of the server's process, and its working directory."""
+    return f"{os.environ.get(var, '')} in {os.path.basename(os.getcwd())}"
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def test_server_tools_are_episode_tools_and_their_results_the_observations():
     env = DEFINITION.make_env(config(STDIO))
     try:
         schemas = {s["function"]["name"]: s["function"] for s in env.tool_schemas()}
-        assert list(schemas) == ["submit", "add", "bump", "nap", "fail", "pid", "shape", "whoami"]
+        assert list(schemas) == ["submit", "add", "bump", "nap", "fail", "pid", "shape", "whoami",
+                                 "env_var"]
         assert schemas["add"]["description"].startswith("Add two numbers.")
         assert schemas["add"]["parameters"]["properties"] == {  # the server's JSON schema, docstring lines included
             "a": {"type": "number", "description": "The first number."},
@@ -169,6 +170,23 @@ def test_tools_subset_and_clashes_and_unknown_names_are_checked_at_start():
         DEFINITION.make_env(config(bad))
 
 
+def test_env_and_cwd_of_a_stdio_server(monkeypatch):
+    """``python`` runs tether's interpreter; ``cwd`` is where the relative script is found; ``env`` reaches it."""
+    monkeypatch.setenv("MCP_TEST_VALUE", "v42")
+    tests = str(Path(FIXTURE).parent)
+    server = {"name": "fx", "command": ["python", "mcp_server_fixture.py"], "cwd": tests,
+              "env": {"FIXTURE_VAR": "${MCP_TEST_VALUE}"}}
+    env = DEFINITION.make_env(config(server))
+    try:
+        env.reset()
+        assert call(env, "env_var", var="FIXTURE_VAR") == ("v42 in tests", False)
+    finally:
+        env.close()
+    monkeypatch.chdir(Path(tests).parent)
+    with pytest.raises(ConfigError, match="did not start"):  # without cwd the script is not found from here
+        DEFINITION.make_env(config({k: v for k, v in server.items() if k != "cwd"}))
+
+
 def test_the_missing_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "mcp", None)
     with pytest.raises(ConfigError, match=r"pip install 'tether\[mcp\]'"):
@@ -250,3 +268,24 @@ def test_a_tool_call_goes_from_model_text_through_mcp_into_the_next_prompt(tiny_
         assert traj.num_tool_calls >= 2 and not traj.errors
     finally:
         env.close()
+
+
+def test_no_server_outlives_a_process_that_exits_without_closing(tmp_path):
+    """``atexit`` closes what is still open: a shared and an episode's server of a process that never called close."""
+    script = tmp_path / "leave.py"
+    script.write_text(f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_env_mcp import DEFINITION, STDIO, config, call
+env = DEFINITION.make_env(config({{**STDIO, "scope": "shared"}}, ))
+env.reset()
+print(call(env, "pid")[0])
+episode = DEFINITION.make_env(config(STDIO))
+episode.reset()
+print(call(episode, "pid")[0], flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(line) for line in out.stdout.split()]
+    assert len(pids) == 2 and pids[0] != pids[1], out.stdout + out.stderr
+    assert not any(alive(p) for p in pids)

@@ -54,10 +54,19 @@ def test_tether_train_calls_the_mcp_tool_end_to_end(tiny_model, tmp_path, monkey
     assert sum(r["agent/num_tool_calls"] for r in steps) > 0
     rollouts = [json.loads(line) for f in sorted((run_dir / "validation").glob("step_*.jsonl"))
                 for line in f.read_text().splitlines()]
-    tool_messages = [m["content"] for r in rollouts for m in r["messages"] if m["role"] == "tool"]
-    assert tool_messages, "no validation rollout called a tool"
-    # what the MCP server answered: a number, or FastMCP's own error text for a bad expression
-    assert all(_number(t) or "Error calling tool 'calculate'" in t for t in tool_messages), tool_messages
+    answered = []  # (the call, the tool message that answered it); call ids repeat across turns: pair turn by turn
+    for r in rollouts:
+        calls: dict = {}
+        for m in r["messages"]:
+            if m["role"] == "assistant":
+                calls = {c["id"]: c["function"] for c in m.get("tool_calls", [])}
+            elif m["role"] == "tool" and m.get("tool_call_id") in calls:  # (a malformed call's error answers none)
+                answered.append((calls[m["tool_call_id"]], m["content"]))
+    computed = [(fn["arguments"]["expression"], float(text)) for fn, text in answered
+                if fn["name"] == "calculate" and _number(text)]
+    assert computed, f"no validation rollout got a number from the MCP server: {answered}"
+    for expression, value in computed:  # the server's arithmetic, checked here
+        assert value == pytest.approx(eval(expression, {"__builtins__": {}}), abs=1e-6), (expression, value)
 
 
 def _number(text: str) -> bool:
