@@ -289,3 +289,18 @@ print(call(episode, "pid")[0], flush=True)
     pids = [int(line) for line in out.stdout.split()]
     assert len(pids) == 2 and pids[0] != pids[1], out.stdout + out.stderr
     assert not any(alive(p) for p in pids)
+
+
+def test_the_customer_service_environment_takes_mcp_servers_too():
+    from tether.env.customer_service.env import CustomerServiceEnv
+
+    servers = f"environment.mcp_servers=[{{name: fx, command: [python, {FIXTURE}], tools: [add]}}]"
+    env = CustomerServiceEnv(load_config([], ["environment.num_train_tasks=2", servers]))
+    try:
+        names = [s["function"]["name"] for s in env.tool_schemas()]
+        assert names[-1] == "add" and "query_inventory" in names
+        env.reset()
+        obs, _, _, info = asyncio.run(env.astep({"name": "add", "params": {"a": 1, "b": 2}}))
+        assert obs["last_tool_result"] == "3.0" and not info["tool_error"]
+    finally:
+        env.close()
