@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,wandb,lint,ray,tau2,openenv,grammar]'
+	$(BIN)/pip install -q -e '.[test,wandb,lint,ray,tau2,openenv,grammar,mcp]'
 	touch $(STAMP)
 
 install: $(STAMP)

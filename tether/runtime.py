@@ -30,6 +30,7 @@ from tether.engine.local import LocalEngine
 from tether.engine.remote import RemoteEngine
 from tether.env.base import Env
 from tether.env.customer_service import example_texts
+from tether.env.plugin.env import ToolEnv
 from tether.env.plugin.registry import EnvironmentNotFound, load_import_path
 from tether.env.plugin.registry import resolve as resolve_environment
 from tether.learner.model import cast_copy, ensure_tiny, load_model_and_tokenizer, torch_dtype
@@ -124,6 +125,10 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
     ``spawn()`` (a ``ToolEnv``), the episodes' environments are spawned from it and share what it built per config."""
     make, list_tasks = resolve_environment(cfg.environment.name)  # EnvironmentNotFound (ValueError) says what it tried
     first = make(cfg)
+    if cfg.environment.mcp_servers and not isinstance(first, ToolEnv):
+        first.close()
+        raise ConfigError(f"`environment.mcp_servers`: {cfg.environment.name} is a {type(first).__name__}, which takes "
+                          "no MCP servers (a ToolEnvironment's environment does: tether.env.plugin)")
 
     def tasks(split: str) -> list[Task]:
         return list_tasks(split, cfg)
@@ -136,7 +141,7 @@ def env_factory(cfg: RunConfig) -> tuple[Callable[[], Env], Callable[[str], list
 
 def shutdown_environment(make_env: Callable[[], Env]) -> None:
     """Release what the episodes ``make_env`` spawns share (an environment's ``shutdown()``: the OpenEnv servers
-    tether started), at the end of the run; nothing for environments without one."""
+    tether started, a ToolEnv's MCP servers), at the end of the run; nothing for environments without one."""
     shutdown = getattr(getattr(make_env, "__self__", None), "shutdown", None)
     if callable(shutdown):
         shutdown()

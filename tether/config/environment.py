@@ -212,6 +212,53 @@ class UserLLMConfig(Section):
     """Most tokens of one user reply, in tokens."""
 
 
+class McpServerConfig(Section):
+    """An MCP tool server whose tools become tools of every episode (``tether.env.mcp``, through the official ``mcp``
+    SDK: the ``mcp`` extra). Give a stdio ``command`` or a streamable-HTTP ``url``. tether's own section."""
+
+    name: Word
+    """The server's name (a word), used in messages and in the server's log file."""
+    command: list[str] | None = None
+    """Start the server as a subprocess speaking MCP over stdio: the program and its arguments. A first element
+    ``python`` runs the interpreter that runs tether (so the server sees the same installed packages)."""
+    env: dict[str, Secret] = {}
+    """Extra environment variables of a stdio server (over the SDK's safe defaults: HOME, PATH, ...); values are
+    secrets (``${VAR}`` read from tether's environment at start; dumps show ``${VAR}`` or ``***``)."""
+    cwd: str | None = None
+    """Working directory of a stdio server; None = tether's current directory."""
+    url: str | None = None
+    """Connect to a streamable-HTTP MCP server at this http:// or https:// URL instead of starting one."""
+    headers: dict[str, Secret] = {}
+    """HTTP headers of a ``url`` server; each value reads an environment variable (``Bearer ${MCP_TOKEN}``), at
+    connection time, and is never written to a log or dump."""
+    scope: Literal["episode", "shared"] = "episode"
+    """episode — a server process (or HTTP session) per episode, started at reset and stopped when the episode's
+    environment is closed: every episode sees fresh server state; shared — one per environment (per rollout worker
+    process), started when the environment is built and reused by its episodes (cheaper; state carries over)."""
+    tools: list[str] | None = None
+    """The server's tools to expose, by name; None = all it lists. A name it does not list is an error at start."""
+    timeout_ms: PosInt = 10_000
+    """A call still running after this many ms is an error observation (an ``action_space`` entry naming the tool
+    sets its own ``timeout_ms`` instead)."""
+
+    @model_validator(mode="after")
+    def _transport(self) -> McpServerConfig:
+        _check((self.command is None) != (self.url is None), "give exactly one of command (stdio) or url "
+               "(streamable HTTP)", command=self.command, url=self.url)
+        _check(self.command is None or len(self.command) > 0, "command needs at least the program", command=[])
+        if self.url is not None:
+            _check(self.url.startswith(("http://", "https://")), "must start with http:// or https://", url=self.url)
+            _check(not self.env and self.cwd is None, "env and cwd are for a stdio server (command)",
+                   env=sorted(self.env) or None, cwd=self.cwd)
+        _check(self.url is not None or not self.headers, "headers are for an HTTP server (url)",
+               headers=sorted(self.headers))
+        for k, v in self.headers.items():
+            _check(bool(v.variables()), "a header's value is read from the environment: write it as ${VAR} "
+                   "(e.g. 'Bearer ${MCP_TOKEN}'), so that no secret sits in a config file",
+                   **{f"headers.{k}": v.redacted()})
+        return self
+
+
 class EnvironmentConfig(Section):
     """The environment the agent acts in (defaults: the seed's customer-service agent)."""
 
@@ -251,6 +298,23 @@ class EnvironmentConfig(Section):
         _check(self.openenv is None or self.name.startswith(OPENENV_PREFIX),
                "environment.openenv configures an OpenEnv environment: set environment.name: openenv:<url or app>, "
                "or remove the openenv section", name=self.name, openenv="set" if self.openenv is not None else None)
+        return self
+
+    mcp_servers: list[McpServerConfig] = []
+    """MCP tool servers whose tools are added to every episode's tools (``tether.env.mcp``; the ``mcp`` extra):
+    each a name, a stdio ``command`` or an HTTP ``url``, a scope, optionally a subset of ``tools`` and a
+    ``timeout_ms``. Their tools are listed at start; a name that clashes with a tool of the environment (or of another
+    server) is an error then. Plugin environments and customer_service_agent take them; tau2 does not. tether's own
+    key."""
+
+    @model_validator(mode="after")
+    def _mcp_servers(self) -> EnvironmentConfig:
+        names = [s.name for s in self.mcp_servers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        _check(not dup, f"MCP server names must be unique; {dup} appear more than once", mcp_servers=names)
+        _check(not (self.mcp_servers and self.name.startswith("tau2:")), "tau2's environments keep their own tools: "
+               "MCP servers are added to plugin environments and customer_service_agent only",
+               name=self.name, mcp_servers=names)
         return self
 
     @model_validator(mode="after")

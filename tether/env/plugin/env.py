@@ -41,6 +41,7 @@ from typing import Any
 from tether.config import EnvironmentConfig, RunConfig, load_config
 from tether.env.anti_hacking import HackingDetector, penalty_of, state_digest
 from tether.env.base import Action, Observation, StepOutput, run_step
+from tether.env.mcp import McpEpisode, McpTools
 from tether.env.memory import KeepRecentK, TurnRecord, make_memory
 from tether.env.plugin.functions import bind, tool_functions
 from tether.env.plugin.tasks import SPLITS, TaskSource, tasks_from
@@ -149,6 +150,7 @@ class _Episode:
     records: list[TurnRecord] = field(default_factory=list)
     ending: Ending | None = None
     final: tuple[float, dict[str, Any]] | None = None
+    mcp: McpEpisode | None = None  # the episode's MCP tools and sessions (``environment.mcp_servers``)
 
 
 def with_flags(verdict: Verdict, flags: Mapping[str, int], penalty: Mapping[str, float]) -> Verdict:
@@ -164,8 +166,21 @@ class ToolEnv:
     def __init__(self, definition: ToolEnvironment, config: Any = None):
         self.definition = d = definition
         self.config = cfg = environment_config(config)
-        self._bound = bind(tool_functions(d.tools), cfg.action_space)
-        names = [b.name for b in self._bound]
+        functions = tool_functions(d.tools)
+        self._ep: _Episode | None = None
+        self._mcp: McpTools | None = None
+        if cfg.mcp_servers:  # started and listed now (the mcp SDK imported then): a clash or a dead server fails here
+            self._mcp = McpTools(cfg.mcp_servers, functions, cfg.action_space)
+        self._owner = True  # this environment (not one spawned from it) closes the MCP servers
+        try:
+            self._build(d, cfg, functions)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, d: ToolEnvironment, cfg: EnvironmentConfig, functions: dict[str, Callable[..., Any]]) -> None:
+        self._bound = bind(functions, cfg.action_space, self._mcp.names if self._mcp else ())
+        names = [b.name for b in self._bound] + (self._mcp.names if self._mcp else [])
         self.termination = TerminationRule.from_config(cfg.termination, cfg.state.max_turns,
                                                        [n for n in d.terminal_tools if n in names], d.terminal_reason)
         judge = d.judge if d.judge is not None else DeterministicJudge(d.rubrics)
@@ -179,7 +194,6 @@ class ToolEnv:
         self._tasks = {split: self.definition.list_tasks(split, cfg) for split in SPLITS}
         self._by_id = {t.id: t for split in SPLITS for t in self._tasks[split]}
         self._next_train = 0
-        self._ep: _Episode | None = None
 
     def spawn(self) -> ToolEnv:
         """Another environment of this definition and config, with no episode begun. It shares what is built per
@@ -187,7 +201,7 @@ class ToolEnv:
         per episode costs only the episode (``tether.runtime.env_factory`` makes the rollouts' environments so).
         A subclass with attributes of its own that an episode changes must copy them here."""
         env = copy.copy(self)
-        env._ep, env._next_train = None, 0
+        env._ep, env._next_train, env._owner = None, 0, False
         return env
 
     # -- tasks and episode set-up -----------------------------------------------------------------------
@@ -214,12 +228,14 @@ class ToolEnv:
                 self._next_train += 1
             else:
                 task = self.get_task(task_id)
-        self.close()
+        self._end_episode()
         d = self.definition
         state = d.new_state(task)
         detector = HackingDetector.from_config(self.config.verifier.anti_hacking)
+        mcp = self._mcp.episode() if self._mcp is not None else None  # episode-scope servers start now, in background
         self._ep = _Episode(
-            task=task, state=state, toolbox=ToolBox([b.tool(state) for b in self._bound]),
+            task=task, state=state, toolbox=ToolBox([b.tool(state) for b in self._bound] + (mcp.tools if mcp else [])),
+            mcp=mcp,
             memory=make_memory(self.config.state.memory), detector=detector,
             rng=random.Random(f"{self.config.seed}:{task.id}:{seed or 0}"),
             start_digest=d.digest(state) if detector.wants_finish else None)
@@ -242,6 +258,8 @@ class ToolEnv:
         if problem is not None:
             result = ToolResult(str(name), params, error_text(problem), True)
         else:
+            if ep.mcp is not None:  # the episode's servers have started (not counted in a call's timeout)
+                await ep.mcp.ready()
             result = await ep.toolbox.call(name, params, ep.rng)
         if ep.ending is not None:  # another call of this turn ended the episode while this one ran
             obs = self._observation(ep, result.text, None, result.error)
@@ -312,7 +330,7 @@ class ToolEnv:
     def tool_schemas(self) -> list[dict[str, Any]]:
         if self._ep is not None:
             return self._ep.toolbox.schemas()
-        return [b.tool().schema() for b in self._bound]
+        return [b.tool().schema() for b in self._bound] + (self._mcp.schemas() if self._mcp else [])
 
     def system_prompt(self) -> str:
         prompt = self.definition.system_prompt
@@ -341,8 +359,21 @@ class ToolEnv:
     def done(self) -> bool:
         return self._ep is not None and self._ep.ending is not None
 
-    def close(self) -> None:
+    def _end_episode(self) -> None:
         if self._ep is not None:
+            ep, self._ep = self._ep, None
+            if ep.mcp is not None:
+                ep.mcp.close()
             if self.definition.close_state is not None:
-                self.definition.close_state(self._ep.state)
-            self._ep = None
+                self.definition.close_state(ep.state)
+
+    def shutdown(self) -> None:
+        """At the end of the run (``tether.runtime.shutdown_environment``): what the episodes share stops."""
+        self.close()
+
+    def close(self) -> None:
+        """End the episode; the environment that was built (not one ``spawn``ed from it) also stops its MCP servers,
+        waiting for every server process of its episodes to exit."""
+        self._end_episode()
+        if getattr(self, "_owner", False) and self._mcp is not None:
+            self._mcp.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,14 +112,18 @@ class BoundTool:
         return Tool(self.name, f["description"], (), fn, self.timeout_ms, self.latency, parameters=f["parameters"])
 
 
-def bind(functions: Mapping[str, Callable[..., Any]], action_space: Sequence[Any]) -> list[BoundTool]:
-    """The ``action_space`` entries (config ``ToolSpec``s) bound to ``functions``; see the module docstring."""
+def bind(functions: Mapping[str, Callable[..., Any]], action_space: Sequence[Any],
+         elsewhere: Collection[str] = ()) -> list[BoundTool]:
+    """The ``action_space`` entries (config ``ToolSpec``s) bound to ``functions``; see the module docstring. Entries
+    naming a tool in ``elsewhere`` (an MCP server's, ``tether.env.mcp``) are another's to read and skipped."""
     out, seen = [], set()
     for i, spec in enumerate(action_space):
         key = f"environment.action_space[{i}]"
         if spec.name in seen:
             raise ValueError(f"{key}: tool {spec.name!r} is listed twice")
         seen.add(spec.name)
+        if spec.name in elsewhere:
+            continue
         fn = functions.get(spec.name)
         if fn is None:
             raise ValueError(f"{key}: tool {spec.name!r} is not a tool of this environment; "
