@@ -312,3 +312,36 @@ def test_a_command_program_plays_through_its_environment_variables(world, tmp_pa
     assert t.errors == [f"program command exited with status 1: no luck: {tasks('train')[0].id}"]
     t = run("sleep", timeout_s=1.0)
     assert t.termination == "program_timeout"
+
+
+def test_a_langchain_agent_is_recorded_too(world):
+    """LangChain's ChatOpenAI with bound tools, pointed at the episode's endpoint: its calls are the trajectory's."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    cfg, rt = world
+    make_env, tasks = env_factory(cfg)
+    texts = [action_text({"name": "query_inventory", "params": {"sku_id": "SKU-1"}}), "Checked: SKU-1 is unknown."]
+
+    def agent(ep):
+        llm = ChatOpenAI(base_url=ep.base_url, api_key=ep.api_key, model=ep.model, max_retries=0).bind_tools(ep.tools)
+        messages = [SystemMessage(ep.system_prompt), HumanMessage(ep.prompt)]
+        reply = llm.invoke(messages)
+        messages.append(reply)
+        for call in reply.tool_calls:
+            messages.append(ToolMessage(ep.call_tool(call["name"], call["args"]).text, tool_call_id=call["id"]))
+        final = llm.invoke(messages)
+        ep.call_tool("respond_to_user", {"message": final.content})
+
+    loop = make_agent_loop("program", engine=ScriptedEngine(rt.tokenizer, texts, logprob=-0.5), tokenizer=rt.tokenizer,
+                           sampling=SamplingParams(max_tokens=64), limits=LoopLimits(3, 4, 2, 4096), program=agent)
+    try:
+        t = asyncio.run(loop.run(tasks("train")[0], make_env(), seed=0))
+    finally:
+        loop.close()
+    assert (t.num_assistant_turns, t.num_tool_calls, t.num_user_turns) == (2, 1, 1), t.errors
+    assert len(t.segments) == 1  # LangChain's re-rendered history is the tokens the engine produced
+    generated = [i for i, m in zip(t.response_ids, t.response_mask) if m]
+    assert generated == [i for text in texts for i in rt.tokenizer.encode(text) + [t.response_ids[-1]]]
+    assert set(lp for lp, m in zip(t.logprobs, t.response_mask) if m) == {-0.5}
