@@ -45,6 +45,7 @@ class GoldReplay:
     flags: dict[str, int]  # detections per pattern (no_op_pass only when scored)
     steps: int  # environment steps played (fewer than the script when a limit ended it)
     script_steps: int  # the gold actions, plus the message to the user
+    tool_errors: int  # calls that failed (some gold actions fail in tau2 too: retail 21 has 3)
     termination: str | None  # None: not scored (score=False) and not ended by a limit
     tau2_reward: float | None  # tau2's reward (None: not scored)
 
@@ -81,10 +82,11 @@ def replay(domain: str, task_id: str, environment: EnvironmentConfig | None = No
     env.reset(task_id)
     actions = gold_actions(task)
     flags: dict[str, int] = {}
-    steps, info = 0, None
+    steps, errors, info = 0, 0, None
     for action in actions:
-        _, _, done, info = env.step(action)
+        obs, _, done, info = env.step(action)
         steps += 1
+        errors += bool(obs["tool_error"])
         for pattern in info["hacking"]:
             flags[pattern] = flags.get(pattern, 0) + 1
         if done:
@@ -93,7 +95,7 @@ def replay(domain: str, task_id: str, environment: EnvironmentConfig | None = No
     if ended and info is not None and info["hacking_flags"].get(NO_OP_PASS):
         flags[NO_OP_PASS] = info["hacking_flags"][NO_OP_PASS]
     env.close()
-    return GoldReplay(domain, task_id, flags, steps, len(actions),
+    return GoldReplay(domain, task_id, flags, steps, len(actions), errors,
                       info["termination"] if ended and info is not None else None,
                       info["tau2_reward"] if ended and info is not None else None)
 
