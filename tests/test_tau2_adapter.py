@@ -471,7 +471,8 @@ def test_gold_replays_are_not_flagged_and_run_to_their_end():
         want, _ = _reference(domain, task, steps, solo=False)
         default = RunConfig.model_validate({"environment": {"name": f"tau2:{domain}"}}).environment
         full = replay(domain, task_id, default)
-        assert (full.termination, full.tau2_reward, full.steps) == ("user_stop", want, full.script_steps) and want == 1.0
+        assert want == 1.0
+        assert (full.termination, full.tau2_reward, full.steps) == ("user_stop", 1.0, full.script_steps)
         given = RunConfig.model_validate({"environment": {"name": f"tau2:{domain}", "state": {"max_turns": 20},
                                                           "termination": {"tool_error_threshold": 3}}}).environment
         cut_short = replay(domain, task_id, given)
