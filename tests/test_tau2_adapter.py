@@ -121,9 +121,11 @@ def _reference(domain, task, steps, solo):
 
 
 def _adapter(domain, task, steps, solo, **kw):
+    from tether.config.environment import AntiHackingConfig
     from tether.env.tau2.env import Tau2Env
     from tether.env.tau2.user import ScriptedUser
 
+    kw.setdefault("anti_hacking", AntiHackingConfig())  # the default detectors: no penalty on any replay here
     env = Tau2Env(domain, solo=solo, user_factory=None if solo else (lambda t: ScriptedUser([OPENING])), **kw)
     env.reset(task.id)
     out = None
@@ -170,6 +172,7 @@ def _check_variant(domain, task, variant, steps, writes, tally):
         tally["raised"] = tally.get("raised", 0) + 1
         return
     assert got == want, f"{where}: adapter {got}, tau2 {want} ({info})"
+    assert set(info["hacking_flags"]) <= {"no_op_pass"} and info["hacking_penalty"] == 0.0, (where, info)
     assert info["tau2_reward"] == want and info["success"] == (want == 1.0), where
     assert _comparable(msgs) == _comparable(ref_msgs), where
     assert set(info["reward_components"]) <= {"db", "env_assertion", "action", "communicate"}, where
@@ -440,3 +443,38 @@ def test_environments_from_the_parsed_database_are_tau2s_and_share_nothing(domai
     a, b = _containers(db_a, set()), _containers(db_b, set())
     source = _containers(_source(domain)[2], set())
     assert len(a) == len(b) > 5 and not (a & b) and not (a & source)
+
+
+def test_gold_replays_are_not_flagged_and_run_to_their_end():
+    """Every gold trajectory of the three domains (173) through the adapter under the default config of
+    tau2:<domain>: no call pattern flags one (before the calibration 8 were: retail 21, 28, 30, 31, 32, 38, 43 and
+    airline 12), none is cut. The two that tether's customer-service limits (max_turns 20, tool_error_threshold 3)
+    cut — retail 21 (3 gold calls fail in tau2) and airline 44 (20 gold calls) — now run to their end and score
+    what tau2 scores; a user's explicit 20 / 3 still cuts them (scored 0)."""
+    from tether.config import RunConfig
+    from tether.env.tau2._load import tasks_by_id
+    from tether.env.tau2.gold import flag_table, replay, replay_gold
+
+    t0 = time.perf_counter()
+    replays = [r for domain in ("mock", "retail", "airline") for r in replay_gold(domain, score=False)]
+    table = flag_table(replays)
+    print(f"\ngold replays: {table} in {time.perf_counter() - t0:.1f} s")
+    for domain, n in (("mock", 9), ("retail", 114), ("airline", 50)):
+        assert table[domain] == {"episodes": n, "flagged": 0, "repeated_tool_calls": 0, "context_stuffing": 0,
+                                 "ended_early": 0}, (domain, [(r.task_id, r.flags) for r in replays if r.flags])
+    cut = [(r.domain, r.task_id) for r in replays if r.script_steps > 20 or r.tool_errors >= 3]
+    assert cut == [("retail", "21"), ("airline", "44")]
+    for domain, task_id in cut:
+        task = tasks_by_id(domain)[task_id]
+        steps = [("call", a.name, a.arguments) for a in task.evaluation_criteria.actions]
+        steps.append(("say", " ".join(task.evaluation_criteria.communicate_info or []) or CLOSING))
+        want, _ = _reference(domain, task, steps, solo=False)
+        default = RunConfig.model_validate({"environment": {"name": f"tau2:{domain}"}}).environment
+        full = replay(domain, task_id, default)
+        assert want == 1.0
+        assert (full.termination, full.tau2_reward, full.steps) == ("user_stop", 1.0, full.script_steps)
+        given = RunConfig.model_validate({"environment": {"name": f"tau2:{domain}", "state": {"max_turns": 20},
+                                                          "termination": {"tool_error_threshold": 3}}}).environment
+        cut_short = replay(domain, task_id, given)
+        assert cut_short.tau2_reward == 0.0 and cut_short.steps < cut_short.script_steps
+        assert cut_short.termination == ("too_many_errors" if task_id == "21" else "max_steps")

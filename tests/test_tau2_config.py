@@ -99,6 +99,61 @@ def test_max_turns_and_error_threshold_are_tau2s_limits():
         assert done == ended and (not done or info["termination"] == "too_many_errors")
 
 
+def test_tau2_limits_default_to_tau2s_own_and_a_given_value_wins():
+    """Under name tau2:<domain>, unset max_turns / tool_error_threshold are tau2's (100 steps = its 200 messages,
+    10 errors); given ones, even equal to tether's defaults, are kept; other environments keep 20 / 3."""
+    import yaml
+
+    from tether.config import RunConfig, load_config
+
+    def limits(c):
+        return c.environment.state.max_turns, c.environment.termination.tool_error_threshold
+
+    assert limits(cfg()) == (100, 10)
+    assert limits(RunConfig.model_validate({})) == (20, 3)  # customer service: unchanged
+    assert limits(cfg(state={"max_turns": 20}, termination={"tool_error_threshold": 3})) == (20, 3)
+    assert limits(cfg(state={"max_turns": 30})) == (30, 10)
+    assert limits(load_config([], ["environment.name=tau2:retail"])) == (100, 10)
+    assert limits(load_config([], ["environment.name=tau2:retail", "environment.state.max_turns=20"])) == (20, 10)
+    assert limits(RunConfig.model_validate(yaml.safe_load(cfg().to_yaml()))) == (100, 10)  # the dump loads back
+
+
+@needs_tau2
+def test_tau2_limits_are_tau2s_constants_and_reach_the_env():
+    from tau2.config import DEFAULT_MAX_ERRORS, DEFAULT_MAX_STEPS
+
+    from tether.config.environment import TAU2_MAX_ERRORS, TAU2_MAX_STEPS
+    from tether.env.tau2 import make_env
+
+    assert (2 * TAU2_MAX_STEPS, TAU2_MAX_ERRORS) == (DEFAULT_MAX_STEPS, DEFAULT_MAX_ERRORS)
+    env = make_env("mock", cfg())
+    assert (env.max_steps, env.max_errors) == (100, 10)
+    given = make_env("mock", cfg(state={"max_turns": 20}, termination={"tool_error_threshold": 3}))
+    assert (given.max_steps, given.max_errors) == (20, 3)
+
+
+@needs_tau2
+def test_a_read_after_a_write_is_not_flagged_a_stale_one_is():
+    """tau2's adapter reports each successful write tool call to the detector: get_users after create_task is a
+    fresh look; get_users twice with nothing between is stale (−0.1)."""
+    from tether.env.tau2 import make_env
+
+    def play(actions):
+        env = make_env("mock", cfg())
+        env.reset("create_task_1")
+        return [env.step(a)[3]["hacking"] for a in actions] + [env.step({"name": "done", "params": {}})[3]]
+
+    users = {"name": "get_users", "params": {}}
+    *found, info = play([users, WRITE, users])
+    assert found == [[], [], []] and info["hacking_flags"] == {} and info["tau2_reward"] == 1.0
+    *found, info = play([users, users, WRITE])
+    assert found == [[], ["repeated_tool_calls"], []]
+    assert info["hacking_flags"] == {"repeated_tool_calls": 1} and info["hacking_penalty"] == pytest.approx(0.1)
+    failed = {"name": "update_task_status", "params": {"task_id": "nope", "status": "done"}}  # a write that fails
+    *found, info = play([users, failed, users, WRITE])
+    assert found == [[], [], ["repeated_tool_calls"], []]
+
+
 @needs_tau2
 def test_no_op_pass_flagged_and_penalised_only_when_configured():
     from tether.env.tau2 import make_env

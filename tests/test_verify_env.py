@@ -303,9 +303,29 @@ def test_tau2_mock_runs_the_generic_probes_and_reports_its_no_op_hole(tmp_path: 
     assert result.exit_code == 0, out
     assert "5 tools: create_task, get_users, update_task_status, transfer_to_human_agents, done" in out
     assert "all structured, Tau2Env's own result text" in out
-    assert "3 bad calls ended the episode with too_many_errors (tool_error_threshold 3)" in out
+    assert "10 bad calls ended the episode with too_many_errors (tool_error_threshold 10)" in out  # tau2's own
+    assert "anti_hacking/gold replays         pass    0/9 gold episodes flagged (repeated_tool_calls 0/9, " \
+           "context_stuffing 0/9), 0 cut by the limits" in out
     # tau2's database check passes doing nothing where the gold actions write nothing: flagged, free by default
     assert "no-op pass                        warn    1/5 do-nothing episodes passed (create_task_1_nl_eval), " \
            "1 flagged no_op_pass, penalty 0" in out
     assert "termination/success               skip    no expert to solve a task: tau2's gold actions are no solo " \
            "expert" in out
+
+
+def test_tau2_gold_replays_row_names_the_keys_that_flag_or_cut_gold() -> None:
+    """The gold row fails where the detectors flag tau2's gold (retail under the old repeat_window 4: 21, 31, 32
+    re-read a record 3-4 calls later with nothing written between) and warns where the limits cut it (mock's gold
+    trajectories longer than max_turns 1)."""
+    pytest.importorskip("tau2")
+    from tether.verify.env_gold import check_gold_replays
+
+    assert check_gold_replays(load_config([ENV_CONFIG])) is None  # not a tau2 environment: no row
+    wide = check_gold_replays(load_config([], ["environment.name=tau2:retail",
+                                               "environment.verifier.anti_hacking.repeat_window=4"]))
+    assert wide is not None and wide.status == "fail"
+    assert wide.seen == ("3/114 gold episodes flagged (repeated_tool_calls 3/114, context_stuffing 0/114), "
+                         "0 cut by the limits")
+    assert "task 21: {'repeated_tool_calls': 1}" in wide.diagnosis and "repeat_window = 4" in wide.diagnosis
+    short = check_gold_replays(load_config([], ["environment.name=tau2:mock", "environment.state.max_turns=1"]))
+    assert short is not None and short.status == "warn" and "environment.state.max_turns = 1" in short.diagnosis

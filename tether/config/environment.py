@@ -21,6 +21,13 @@ CUSTOMER_SERVICE = "customer_service_agent"
 OPENENV_PREFIX = "openenv:"  # environment.name: openenv:<url | app> (tether.env.openenv)
 CS_OBSERVATION_FIELDS = ("last_tool_result", "user_intent", "order_status", "inventory_snapshot")
 CS_RULE_CHECKS = ("refund_amount_correct", "policy_compliance")
+# tau2-bench's own episode limits (tau2.config DEFAULT_MAX_STEPS, DEFAULT_MAX_ERRORS), the defaults of
+# ``state.max_turns`` and ``termination.tool_error_threshold`` under ``name: tau2:<domain>``. tau2 counts a step per
+# message (the agent's call, then its result; the agent's text, then the user's reply): its 200 are 100 of tether's
+# steps (one per tool call, ``respond_to_user`` included).
+TAU2_PREFIX = "tau2:"
+TAU2_MAX_STEPS = 100
+TAU2_MAX_ERRORS = 10
 
 
 class LatencySpec(Section):
@@ -79,7 +86,8 @@ class StateConfig(Section):
 
     max_turns: PosInt = 20
     """Maximum environment steps (tool calls, ``respond_to_user`` included) of one episode; then
-    termination.max_turns_exceeded applies. Unreachable above agent_loop.max_assistant_turns ×
+    termination.max_turns_exceeded applies. Unset under ``name: tau2:<domain>``: tau2's own limit, 100 (its
+    max_steps 200 counts messages, two per step). Unreachable above agent_loop.max_assistant_turns ×
     max_parallel_calls (a warning at start)."""
     context_window: PosInt = 32768
     """Maximum length of prompt + response, in tokens; the episode ends (truncated) when it is reached."""
@@ -104,7 +112,8 @@ class TerminationConfig(Section):
     max_turns_exceeded: Literal["truncate", "fail"] = "truncate"
     """At ``max_turns``: truncate (score what was done) or fail (reward 0)."""
     tool_error_threshold: PosInt = 3
-    """End the episode after this many tool-error observations, in errors."""
+    """End the episode after this many tool-error observations, in errors. Unset under ``name: tau2:<domain>``:
+    tau2's own max_errors, 10."""
 
 
 class RuleCheck(Section):
@@ -161,8 +170,16 @@ class AntiHackingConfig(Section):
     """Patterns to detect."""
     penalty: dict[HackPattern, NonNegFloat] = {"repeated_tool_calls": 0.1, "context_stuffing": 0.1}
     """Reward subtracted per detected pattern, in reward units."""
-    repeat_window: PosInt = 4
-    """Previous tool calls looked back when detecting repeated identical calls, in calls."""
+    repeat_window: PosInt = 2
+    """How far back an identical call counts as a stale repeat, in calls: a call equal to one of the previous
+    ``repeat_window`` calls, with the environment's state unchanged since (an environment that reports its writes,
+    like tau2's adapter, exempts a re-read after a write), is flagged ``repeated_tool_calls``. 2: asking again for
+    what the agent was just told; a re-check after looking at other records is left to ``max_repeats``
+    (``tether.env.anti_hacking``). Was 4 before the detectors were calibrated on tau2's gold trajectories."""
+    max_repeats: NonNegInt = 2
+    """How many times one identical call may be repeated in an episode, whatever happened between, before each
+    further repeat is flagged ``repeated_tool_calls`` (a loop, however far apart its calls), in repeats. 2: a
+    call made a third time is fine, a fourth is flagged (tau2's gold trajectories make one call at most twice)."""
 
 
 class VerifierConfig(Section):
@@ -331,6 +348,17 @@ class EnvironmentConfig(Section):
                        f"user_llm.client.timeout_s",
                        **{f"action_space[{i}].timeout_ms": spec.timeout_ms,
                           "user_llm.client.timeout_s": self.user_llm.client.timeout_s})
+        return self
+
+    @model_validator(mode="after")
+    def _tau2_limits(self) -> EnvironmentConfig:
+        """Under ``name: tau2:<domain>`` the episode limits the config leaves unset are tau2's own (tau2 scores an
+        episode it cuts 0, so a tighter cap than tau2's fails trajectories tau2 passes); a value given wins."""
+        if self.name.startswith(TAU2_PREFIX):
+            if "max_turns" not in self.state.model_fields_set:
+                self.state.max_turns = TAU2_MAX_STEPS
+            if "tool_error_threshold" not in self.termination.model_fields_set:
+                self.termination.tool_error_threshold = TAU2_MAX_ERRORS
         return self
 
     @model_validator(mode="after")

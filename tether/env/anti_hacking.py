@@ -3,12 +3,26 @@
 Nothing in verifiers / tau2 / OpenEnv detects these two directly (see notes/envs.md §3), so the rules are
 ours and deliberately simple enough to read in one screen:
 
-- ``repeated_tool_calls``: a call whose ``(name, canonical JSON of its arguments)`` equals one of the
-  previous ``repeat_window`` calls (farming calls, or looping instead of acting).
+- ``repeated_tool_calls``: a call whose ``(name, canonical JSON of its arguments)`` equals an earlier call
+  (farming calls, or looping instead of acting), when either
+  (a) the earlier one is among the previous ``repeat_window`` calls and the environment's state has not changed
+      since: the answer it asks for is the one the agent was just given (a *stale* repeat); or
+  (b) the call was already made more than ``max_repeats`` times in the episode, whatever changed in between (a
+      loop, however long its cycle).
+  A read repeated after the state changed (confirming a write) is not (a), and a re-check of a record after
+  looking at others (further back than ``repeat_window``) is not (a) either: both are what careful agents do
+  (tau2's gold trajectories re-read an order after cancelling another one, or a product after reading three
+  others). Only an environment that reports its writes (``HackingDetector.state_changed``; tau2's adapter does,
+  for each write tool that succeeded) exempts the repeats after a write; elsewhere every repeat within the
+  window counts, as before.
 - ``context_stuffing``: a text argument that grows the context while adding little information: longer
   than ``max_chars`` with a unique-token ratio below ``min_unique_ratio``, or longer than
-  ``3 * max_chars`` at all, or enumerating more than ``max_numbers`` distinct numbers (listing candidate
-  amounts so that a substring check passes — the tau-bench "outputs" hole).
+  ``3 * max_chars`` at all, or *listing* more than ``max_numbers`` distinct numbers one after another —
+  separated only by commas, semicolons, bars, "or"/"and" or spaces (candidate amounts enumerated so that a
+  substring check passes — the tau-bench "outputs" hole). Numbers joined by arithmetic operators are one
+  expression (``155.33 - 147.05 + 268.77``, a calculator's argument), and numbers spread through a sentence
+  (a street number, a suite, a zip code and a tracking id in one address message) are not candidates for one
+  value: neither is a list.
 - ``no_op_pass``: an episode that passed its check while writing nothing to the environment's state (its state
   digest at the end equals the one at the start). A database-diff check passes a do-nothing agent on every task
   whose gold actions write nothing (tau2 RFC #129); this flags every such pass, whatever the env. It is judged
@@ -39,6 +53,10 @@ _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 # A free-standing number: not part of an id like O-1042 or SKU-123, nor of a word like x2.
 _NUMBER = re.compile(r"(?<![\w.\-])\$?(\d+(?:\.\d+)?)(?![\w\-]|\.\d)")
 
+# What may separate two numbers of one list: commas, semicolons, bars, "or"/"and", spaces (a "%" or a currency sign
+# stays with its number). Anything else between them (a word, an operator, a bracket) ends the list.
+_LIST_GAP = re.compile(r"(?:\s|[,;|%]|\bor\b|\band\b)*", re.IGNORECASE)
+
 _lock = threading.Lock()
 _COUNTS: Counter[str] = Counter()
 
@@ -58,13 +76,35 @@ def canonical_call(name: Any, params: Any) -> str:
     return json.dumps([name, params], sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-def is_repeated(call: str, previous: Sequence[str], window: int) -> bool:
-    return call in previous[-window:] if window > 0 else False
+def is_repeated(call: str, previous: Sequence[tuple[str, int]], version: int, window: int, max_repeats: int) -> bool:
+    """Whether ``call`` repeats an earlier one as hacking: ``previous`` holds the earlier calls with the state
+    version each was made at, ``version`` is the state's version now (it grows with each write). Flagged when the
+    same call is among the last ``window`` calls at this version (a stale repeat) or was made more than
+    ``max_repeats`` times before (a loop)."""
+    recent = previous[-window:] if window > 0 else []
+    if (call, version) in recent:
+        return True
+    return sum(c == call for c, _ in previous) > max_repeats
 
 
 def numbers(text: str) -> list[float]:
     """Free-standing numbers in ``text`` (``1,200.50`` → 1200.5; ids like ``O-1042`` are not numbers)."""
     return [float(m) for m in _NUMBER.findall(_THOUSANDS.sub("", text))]
+
+
+def listed_numbers(text: str) -> int:
+    """The most distinct numbers of one list in ``text``: free-standing numbers (``numbers``) one after another
+    with only list separators between them (``10, 20, 30 or 40`` → 4; ``155.33 - 147.05 + 268.77`` → 1 each;
+    ``943 Maple Drive, Suite 356, IL 60621`` → 1 each)."""
+    text = _THOUSANDS.sub("", text)
+    best, end = 0, None
+    run: set[float] = set()
+    for m in _NUMBER.finditer(text):
+        if end is None or not _LIST_GAP.fullmatch(text, end, m.start()):
+            run = set()
+        run.add(float(m.group(1)))
+        best, end = max(best, len(run)), m.end()
+    return best
 
 
 def unique_token_ratio(text: str) -> float:
@@ -77,7 +117,7 @@ def is_stuffed(text: str, max_chars: int = 300, min_unique_ratio: float = 0.5, m
         return True
     if len(text) > max_chars and unique_token_ratio(text) < min_unique_ratio:
         return True
-    return len(set(numbers(text))) > max_numbers
+    return listed_numbers(text) > max_numbers
 
 
 def state_digest(state: Any) -> str:
@@ -100,30 +140,38 @@ def penalty_of(flags: Mapping[str, int], penalty: Mapping[str, float]) -> float:
 class HackingDetector:
     """Watches one episode's calls; ``observe`` returns the patterns this call triggered."""
 
-    def __init__(self, enabled: bool = True, patterns: Iterable[str] = PATTERNS, repeat_window: int = 4,
-                 max_chars: int = 300, min_unique_ratio: float = 0.5, max_numbers: int = 3):
+    def __init__(self, enabled: bool = True, patterns: Iterable[str] = PATTERNS, repeat_window: int = 2,
+                 max_repeats: int = 2, max_chars: int = 300, min_unique_ratio: float = 0.5, max_numbers: int = 3):
         unknown = sorted(set(patterns) - set(PATTERNS))
         if unknown:
             raise ValueError(f"unknown anti_hacking.detect_patterns {unknown}; known: {list(PATTERNS)}")
         self.enabled = enabled
         self.patterns = frozenset(patterns)
-        self.repeat_window = repeat_window
+        self.repeat_window, self.max_repeats = repeat_window, max_repeats
         self.max_chars, self.min_unique_ratio, self.max_numbers = max_chars, min_unique_ratio, max_numbers
-        self.history: list[str] = []
+        self.history: list[tuple[str, int]] = []  # each call with the state version it was made at
+        self.version = 0  # how many writes the environment reported (``state_changed``)
         self.flags: Counter[str] = Counter()
 
     @classmethod
     def from_config(cls, anti_hacking: Any) -> HackingDetector:
-        return cls(anti_hacking.enabled, anti_hacking.detect_patterns, anti_hacking.repeat_window)
+        return cls(anti_hacking.enabled, anti_hacking.detect_patterns, anti_hacking.repeat_window,
+                   anti_hacking.max_repeats)
+
+    def state_changed(self) -> None:
+        """The environment reports that its state changed (a write took effect): the calls made before may now
+        answer differently, so repeating one of them is no longer a stale repeat."""
+        self.version += 1
 
     def observe(self, name: Any, params: Any) -> list[str]:
         if not self.enabled:
             return []
         found = []
         call = canonical_call(name, params)
-        if "repeated_tool_calls" in self.patterns and is_repeated(call, self.history, self.repeat_window):
+        if "repeated_tool_calls" in self.patterns and is_repeated(call, self.history, self.version,
+                                                                 self.repeat_window, self.max_repeats):
             found.append("repeated_tool_calls")
-        self.history.append(call)
+        self.history.append((call, self.version))
         texts = [v for v in params.values() if isinstance(v, str)] if isinstance(params, Mapping) else []
         if "context_stuffing" in self.patterns and any(
                 is_stuffed(t, self.max_chars, self.min_unique_ratio, self.max_numbers) for t in texts):

@@ -17,7 +17,9 @@ finalize), no model involved, in a second or two:
 - ``verifier components``: each counted rule and rubric takes at least two values over the probe episodes
   (the expert's, the termination probes', random and adversarial ones); one stuck at a value carries no signal.
 - ``anti_hacking/*``: a repeated identical call and a stuffed message planted in an expert episode are
-  flagged and cost reward, when enabled and listed.
+  flagged and cost reward, when enabled and listed; on a ``tau2:<domain>`` environment, ``anti_hacking/gold
+  replays``: how many of tau2's gold trajectories the detectors flag (false positives) or the limits cut
+  (``env_gold.py``).
 
 With ``policy=True`` a few episodes of the configured policy through the agent loop are checked for the same
 structure and range. Each failure says which config key to look at.
@@ -49,6 +51,7 @@ from tether.verify.env_generic import (
     check_schemas,
     check_timeouts,
 )
+from tether.verify.env_gold import check_gold_replays
 from tether.verify.env_probes import (  # the probes the checks read, the records they return
     EPS,
     Check,
@@ -327,6 +330,9 @@ def verify_env(cfg: RunConfig, *, num_tasks: int = 10, random_episodes: int = 8,
               check_timeouts(probes), check_range(probes), check_do_nothing(probes), check_no_op_pass(probes),
               check_success(probes), check_tool_errors(probes), check_max_turns(probes), check_components(probes),
               *check_hacking(probes)]
+    gold = check_gold_replays(cfg)  # a tau2 environment: the detectors on tau2's gold trajectories
+    if gold is not None:
+        checks.append(gold)
     if policy:
         checks += check_policy(cfg.environment, cfg.tool_parser.name, run_policy(cfg))
     return checks

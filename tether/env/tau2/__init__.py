@@ -10,12 +10,14 @@ environment (``env.Tau2Env``) is tau2's own domain environment per episode, scor
 (``scoring``); the user is tau2's user simulator answering through tether's client (``user``), or none (solo).
 
 Files: ``_load.py`` (importing tau2 quietly, domains, splits), ``env.py`` (the Env), ``scoring.py`` (tau2's
-evaluator, NL judge routing), ``user.py`` (simulated users), ``passk.py`` (pass^k as tau2 reports it).
+evaluator, NL judge routing), ``user.py`` (simulated users), ``passk.py`` (pass^k as tau2 reports it), ``gold.py``
+(the gold trajectories replayed through the Env: the anti-hacking detectors' false positives).
 
 Configuration (``make_env``): the ``environment`` section's ``user_simulator`` (``llm``: tau2's user simulator
 through ``user_llm``; ``scripted``, the default: solo, since tau2 has no scripted user), ``verifier.judge`` (``llm``:
 NL assertions judged at ``reward.judge_client``), ``state.max_turns`` (tau2's max_steps), ``termination.
-tool_error_threshold`` (tau2's max_errors), ``verifier.anti_hacking`` (call patterns, ``no_op_pass``, penalties),
+tool_error_threshold`` (tau2's max_errors; both, when unset, tau2's own limits: ``tether.config.environment``'s
+``_tau2_limits``), ``verifier.anti_hacking`` (call patterns, ``no_op_pass``, penalties),
 ``state.memory`` and ``state.context_window`` (the agent loop's), ``action_space``'s ``respond_to_user.timeout_ms``
 (the simulated user's reply time limit), ``num_train_tasks`` / ``num_eval_tasks`` (at most
 that many of tau2's tasks of a split, the first ones). The keys that describe tether's own

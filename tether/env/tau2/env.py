@@ -22,7 +22,9 @@ ends an episode (``max_steps``: ``environment.state.max_turns``; ``max_errors``:
 tool_error_threshold``; the agent loop's limits; a solo turn without a tool call) is one of tau2's premature
 terminations, which tau2 scores 0.
 
-**Anti-hacking.** ``environment.verifier.anti_hacking``'s call patterns are watched per step; at the end, an
+**Anti-hacking.** ``environment.verifier.anti_hacking``'s call patterns are watched per step (each successful call
+of a tool tau2 types as a write is reported to the detector as a state change, so a read repeated after it is not a
+stale repeat: ``tether.env.anti_hacking``); at the end, an
 episode that passed while leaving both databases as they were at the start (tau2's own hashes) is flagged
 ``no_op_pass``: tau2's database check passes a do-nothing agent on every task whose gold actions write nothing.
 ``no_op_pass`` is watched whether or not ``detect_patterns`` lists it (``anti_hacking.enabled: false`` turns every
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tether.env.tau2.scoring as scoring
+from tether.config.environment import TAU2_MAX_ERRORS, TAU2_MAX_STEPS
 from tether.env.anti_hacking import HackingDetector, penalty_of
 from tether.env.base import Action, Observation, StepOutput, run_step
 from tether.env.memory import make_memory
@@ -81,6 +84,15 @@ class EpisodeEndedError(RuntimeError):
 def _tau2_schemas(domain: str, solo: bool) -> tuple[dict[str, Any], ...]:
     env = make_environment(domain, solo=solo)
     return tuple(t.openai_schema for t in env.get_tools())
+
+
+@functools.cache
+def _write_tools(domain: str, solo: bool) -> frozenset[str]:
+    """The names of ``domain``'s tools that tau2 types as writes (``ToolType.WRITE``)."""
+    from tau2.environment.toolkit import ToolType  # noqa: PLC0415 — the optional extra ``tau2``
+
+    tools = make_environment(domain, solo=solo).tools
+    return frozenset(n for n in tools.get_tools() if tools.tool_type(n) == ToolType.WRITE)
 
 
 def _initial_digest(domain: str, task: Any, solo: bool) -> tuple[str | None, str | None]:
@@ -140,7 +152,7 @@ class Tau2Env:
     agent loop's context bound (``context_memory``)."""
 
     def __init__(self, domain: str, *, solo: bool = True, user_factory: Callable[[Any], User] | None = None,
-                 judge: scoring.Judge | None = None, max_steps: int = 100, max_errors: int = 10,
+                 judge: scoring.Judge | None = None, max_steps: int = TAU2_MAX_STEPS, max_errors: int = TAU2_MAX_ERRORS,
                  anti_hacking: Any = None, memory: Any = None, task_ids: list[str] | None = None,
                  user_timeout_s: float | None = None):
         load()
@@ -184,8 +196,8 @@ class Tau2Env:
 
         env, messages = _fresh(self.domain, task, self.solo)
         ah = self.anti_hacking  # the call patterns; no_op_pass is judged at the end (``_end``)
-        detector = HackingDetector(ah.enabled, [p for p in ah.detect_patterns if p != NO_OP_PASS], ah.repeat_window) \
-            if ah is not None else HackingDetector(patterns=[])
+        detector = HackingDetector(ah.enabled, [p for p in ah.detect_patterns if p != NO_OP_PASS], ah.repeat_window,
+                                   ah.max_repeats) if ah is not None else HackingDetector(patterns=[])
         self._ep = ep = _Episode(task, env, messages, _initial_digest(self.domain, task, self.solo), detector)
         policy = env.get_policy()
         if self.solo:
@@ -264,6 +276,8 @@ class Tau2Env:
         ep.messages.append(result)
         if result.error:
             ep.tool_errors += 1
+        elif name in _write_tools(self.domain, self.solo):  # a write took effect: re-reading is not a stale repeat
+            ep.detector.state_changed()
         return self._obs(result.content, None, bool(result.error)), None, flags
 
     def _obs(self, last: str | None, user_reply: str | None, error: bool) -> Observation:
