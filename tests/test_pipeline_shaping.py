@@ -136,7 +136,7 @@ def test_resample_attempts_start_before_a_likely_degenerate_first_attempt_ends(m
 
 
 def test_task_sampler_replacements_are_fixed_by_seed_and_never_the_groups_own():
-    from tether.pipeline.build import TaskSampler
+    from tether.pipeline.tasks import TaskSampler
 
     pool = [Task(f"T{i}", "train", "refund") for i in range(12)]
     a, b = TaskSampler(pool, 4, seed=5), TaskSampler(pool, 4, seed=5)

@@ -85,6 +85,20 @@ class RolloutAllocationConfig(Section):
     trainer.total_steps never reallocates (a warning at start)."""
 
 
+class TaskSelectionConfig(Section):
+    """Which train tasks a step draws (tether's own section; ``tether.pipeline.tasks``)."""
+
+    enabled: bool = False
+    """Draw by difficulty: a task whose last ``window`` groups (their first attempts) were all degenerate — every
+    rollout scored alike, all passed or all failed, so no signal — is skipped for ``skip_steps`` steps and then drawn
+    again (a re-probe); the tasks that still teach take its places, in the epochs' shuffled order (online difficulty
+    filtering, as DAPO's dynamic sampling does within a step). off: every task in turn (shuffled epochs)."""
+    window: PosInt = 2
+    """Degenerate groups in a row, of a task's own first attempts, that make it skipped, in groups."""
+    skip_steps: PosInt = 8
+    """How long a skipped task waits before it is drawn again, in trainer steps."""
+
+
 class KLControlConfig(Section):
     """KL penalty to the reference policy."""
 
@@ -145,6 +159,8 @@ class PolicyOptimConfig(Section):
     """Advantage estimation."""
     rollout_allocation: RolloutAllocationConfig = RolloutAllocationConfig()
     """Rollouts per prompt."""
+    task_selection: TaskSelectionConfig = TaskSelectionConfig()
+    """Which tasks a step draws: all in turn, or skipping those that no longer teach."""
     kl_control: KLControlConfig = KLControlConfig()
     """KL control."""
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import random
 import re
 import shutil
 from collections.abc import Callable
@@ -40,37 +39,12 @@ from tether.pipeline.rollouter import Rollouter
 from tether.pipeline.run_lock import RunLock
 from tether.pipeline.shaping import GroupProducer, RolloutAllocator
 from tether.pipeline.streaming import overlaps
+from tether.pipeline.tasks import TaskSampler
 from tether.pipeline.validation import drop_validation_after, write_validation
 from tether.pipeline.weights import WeightSync
 from tether.runtime import Runtime, agent_loop, local_engine, model_path
 from tether.teacher.scorer import make_teacher, score_trajectory
 from tether.types import Task
-
-
-class TaskSampler:
-    """Endless shuffled epochs over the train tasks; ``batch(step)`` depends only on (seed, step)."""
-
-    def __init__(self, tasks: list[Task], per_step: int, seed: int):
-        if not tasks:
-            raise ValueError("the environment has no train tasks")
-        self.tasks, self.per_step, self.seed = tasks, per_step, seed
-
-    def replacement(self, step: int, index: int, attempt: int) -> Task:
-        """The train task that resample attempt ``attempt`` of group ``index`` of ``step`` generates instead of the
-        group's own (``degenerate_group_filter.resample: new_task``): a function of (seed, step, index, attempt),
-        never the group's own task."""
-        own = self.batch(step)[index]
-        pool = [t for t in self.tasks if t.id != own.id] or [own]
-        return random.Random(f"{self.seed}:resample:{step}:{index}:{attempt}").choice(pool)
-
-    def batch(self, step: int) -> list[Task]:
-        n = len(self.tasks)
-        out = []
-        for k in range((step - 1) * self.per_step, step * self.per_step):
-            epoch, i = divmod(k, n)
-            order = random.Random(self.seed * 1_000_003 + epoch).sample(range(n), n)
-            out.append(self.tasks[order[i]])
-        return out
 
 
 class RemoteParts(Protocol):
@@ -202,7 +176,7 @@ class Run:
             overlap = overlaps(learner, po.advantage.normalization, overlap_rollout=cfg.learner.overlap_rollout,
                                mode=plan.mode)
             engine_threads = rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlap else None
-            sampler = TaskSampler(rt.tasks("train"), plan.prompts_per_step, plan.seed)
+            sampler = TaskSampler(rt.tasks("train"), plan.prompts_per_step, plan.seed, po.task_selection)
             allocator = RolloutAllocator(po.rollout_allocation, plan.group_size,
                                          kinds={t.id: t.kind for t in sampler.tasks})
             start, extra = 0, {}
@@ -210,6 +184,7 @@ class Run:
                 extra = trainer.load(ckpt)
                 start = int(extra["step"])
                 allocator.load_state_dict(extra["allocator"])
+                sampler.load_state_dict(extra.get("sampler"))
             weights = WeightSync(rt.engine, learner, plan.sync_every, start_step=start, dtype=torch_dtype(plan.dtype))
             # DetachActorWorker keeps the pushed weights: π_prox for the steps until the next sync
             weights.subscribe(learner.on_push)  # and the learner knows which version its weights are
@@ -286,7 +261,7 @@ class Run:
     def save(self, step: int) -> None:
         self.trainer.save(self.checkpoint(step), self.rt.tokenizer,
                           extra={"step": step, "allocator": self.allocator.state_dict(),
-                               "source": self.source.state_dict()})
+                                 "sampler": self.sampler.state_dict(), "source": self.source.state_dict()})
 
     def log_samples(self, step: int, produced: list) -> None:
         """One row per step: the trained groups' tasks, sizes and names (task step, index) — and the dropped."""

@@ -64,6 +64,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
                 if not update.train(batch.produced, trajs, adv):  # records the optim/* metrics
                     run.learner.skip_step()  # every group was dropped by the degenerate-group filter
             run.allocator.observe(batch.groups, step)
+            run.sampler.observe(batch.produced, step)
             fault("update", step)
             run.weights.after_step(step)
             fault("sync", step)
