@@ -47,8 +47,8 @@ class AgentLoopConfig(Section):
     ``done`` (both with the same bearer key). A non-zero exit is ``program_error`` (its stderr's last line in the
     trajectory's errors); a number printed as its last line of stdout replaces the reward."""
     program_timeout_s: PosFloat = 600.0
-    """Wall-clock limit of one episode of ``agent_loop.program``; past it the episode ends (``program_timeout``),
-    scored on what was done, and the program's later calls are refused."""
+    """Wall-clock limit of one episode of ``agent_loop.program``, in seconds; past it the episode ends
+    (``program_timeout``), scored on what was done, and the program's later calls are refused."""
     constrained_tool_calls: bool = False
     """Decode every assistant turn (rollouts and evaluation episodes alike) under a grammar (``tether.engine.grammar``,
     the ``grammar`` extra): free text, or hermes tool calls of the episode's tools whose arguments are valid under the
