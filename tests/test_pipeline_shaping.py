@@ -244,3 +244,49 @@ def test_a_group_whose_every_episode_failed_is_dropped_and_counted_not_fatal_in_
     assert [g.task_id for g in batch.groups] == ["good"] and [p.failed for p in batch.produced] == [True, False]
     assert metrics.flush(1)["rollout/failed_groups"] == 1
     assert source.state_dict()["ledger"]["frontier"] == 1  # settled: a resume does not make it again
+
+
+def test_decided_informative_by_hand():
+    from tether.algo.filters import decided_informative
+
+    # six 0s and a 1 of a group of 8: SS = 6/49 + 36/49 = 6/7, the lowest std sqrt(6/7 / 7) = 0.350 whatever the 8th
+    assert decided_informative([0] * 6 + [1], 8, min_reward_std=0.34) and not decided_informative(
+        [0] * 6 + [1], 8, min_reward_std=0.36)
+    assert not decided_informative([0] * 7, 8, min_reward_std=0.0)  # all equal so far: the 8th could still differ
+    assert not decided_informative([0.5], 8, min_reward_std=0.0)
+    # -0.2 and -0.1 among 8: SS = 0.005, sqrt(0.005 / 7) = 0.0267 <= 0.1 — the stragglers could still even it out
+    assert not decided_informative([-0.2, -0.1], 8, min_reward_std=0.1)
+
+
+class TwoStragglers(StragglerRollouter):
+    """The last two episodes of an attempt are late, the last one very late; cancellations are logged."""
+
+    async def group(self, task, n, seed, on_episode=None):
+        rewards = self.script[task.id].pop(0)
+        self.log.append(("start", seed))
+        done = []
+        try:
+            for i, r in enumerate(rewards):
+                await asyncio.sleep({len(rewards) - 2: 0.05, len(rewards) - 1: 0.3}.get(i, 0.001))
+                done.append(r)
+                if on_episode is not None:
+                    on_episode(list(done))
+        except asyncio.CancelledError:
+            self.log.append(("cancelled", seed))
+            raise
+        self.log.append(("end", seed))
+        return group(task.id, rewards)
+
+
+def test_a_speculative_attempt_is_cancelled_once_the_first_is_decided_informative(metrics):
+    """Six of eight first rewards agree → attempt 1 starts; the seventh differs, which makes the group informative
+    whatever the eighth scores → attempt 1 is cancelled then, before the eighth (the straggler) finishes."""
+    sync = RunConfig.model_validate({"rollout": {"mode": "sync"}, "policy_optimization": {"advantage": {
+        "group_size": 8, "degenerate_group_filter": {"min_reward_std": 0.1, "resample_attempts": 2}}}})
+    rollouter = TwoStragglers({"A": [[0, 0, 0, 0, 0, 0, 1, 0], [0] * 8, [0] * 8]})
+    (out,) = produce_all(group_producer(sync, rollouter), [Task("A", "train", "refund")], step=1)
+    first, second = rollouter.log[0][1], rollouter.log[1][1]
+    assert rollouter.log[1][0] == "start" and first != second
+    assert rollouter.log.index(("cancelled", second)) < rollouter.log.index(("end", first))
+    assert not out.dropped and out.resampled == 0
+    assert out.speculative_trajectories == 8 and out.speculative_cancelled_early == 8

@@ -33,6 +33,19 @@ def group_reward_std(rewards: Sequence[float]) -> float:
     return math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / (n - 1))
 
 
+def decided_informative(finished: Sequence[float], size: int, *, min_reward_std: float) -> bool:
+    """Whether a group of ``size`` rollouts is informative (sample std > ``min_reward_std``) whatever its unfinished
+    rollouts score, from the rewards of those ``finished``: the lowest std the whole group can have is that of the
+    stragglers all scoring the finished ones' mean, which adds nothing to the squared deviations, so it is
+    sqrt(SS_finished / (size - 1)). (The converse — degenerate whatever the stragglers do — needs the reward's bounds,
+    and with a bounded reward's usual range it holds only once every rollout has finished.)"""
+    n = len(finished)
+    if n < 2 or size < 2 or max(finished) == min(finished):
+        return False
+    mean = math.fsum(finished) / n
+    return math.sqrt(math.fsum((r - mean) ** 2 for r in finished) / (size - 1)) > min_reward_std
+
+
 def degenerate_groups(
     group_rewards: Sequence[Sequence[float]], *, min_reward_std: float
 ) -> tuple[list[bool], dict[str, float]]:

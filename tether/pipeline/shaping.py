@@ -52,7 +52,7 @@ import torch
 from tether.algo.advantages import Normalization, group_advantages
 from tether.algo.allocation import TaskRewardWindow, allocate_rollouts
 from tether.algo.diversity import diversity_bonus, strategy_signature
-from tether.algo.filters import degenerate_groups, group_reward_std, resample_or_drop
+from tether.algo.filters import decided_informative, degenerate_groups, group_reward_std, resample_or_drop
 from tether.config.policy import PolicyOptimConfig, RolloutAllocationConfig
 from tether.metrics import record_metric
 from tether.pipeline.rollouter import Rollouter, episode_seed
@@ -89,6 +89,7 @@ class Produced:
     resampled: int = 0  # further attempts made by the degenerate-group filter
     resampled_trajectories: int = 0
     speculative_trajectories: int = 0  # started by a resample attempt that an earlier one made unneeded
+    speculative_cancelled_early: int = 0  # of those, cancelled before the earlier attempt's stragglers finished
     first_trajectories: int = 0
     dropped: bool = False  # still degenerate after every attempt (or failed): delivered, not trained
     failed: bool = False  # every episode of the group failed (``RolloutError``): no trajectories
@@ -145,6 +146,7 @@ class GroupProducer:
         early = self.filter and self.concurrent_resamples and getattr(self.rollouter, "reports_episodes", False)
         ahead: dict[int, asyncio.Future] = {}  # attempt -> its rollouts, started before they are known to be needed
         launched: set[int] = set()
+        cancelled: set[int] = set()  # attempts cancelled as soon as the one before was decided informative
 
         def attempt(k: int, on_episode: Callable[[list[float]], None] | None = None
                     ) -> Coroutine[Any, Any, tuple[Group, bool]]:
@@ -164,8 +166,14 @@ class GroupProducer:
             def watch(rewards: list[float]) -> None:
                 """The rewards so far of the attempt before ``k``: when all but its last quarter have finished with
                 rewards that do not differ, it is likely degenerate, so attempt ``k`` starts now rather than after
-                the stragglers (the same episodes either way; an informative attempt cancels it)."""
-                if len(rewards) >= size - max(1, size // 4) and group_reward_std(rewards) <= self.min_std:
+                the stragglers (the same episodes either way; an informative attempt cancels it). Once its finished
+                rewards make it informative whatever the stragglers score, attempt ``k`` (and any after it) is not
+                needed: cancelled now, its slots freed, rather than when the stragglers finish."""
+                if k in ahead and decided_informative(rewards, size, min_reward_std=self.min_std):
+                    for j in [j for j in ahead if j >= k and j not in cancelled and not ahead[j].done()]:
+                        ahead[j].cancel()
+                        cancelled.add(j)
+                elif len(rewards) >= size - max(1, size // 4) and group_reward_std(rewards) <= self.min_std:
                     launch(k)
             return watch
 
@@ -183,9 +191,11 @@ class GroupProducer:
                    and resample_or_drop(out.resampled, self.attempts) == "resample"):
                 out.resampled += 1
                 k = out.resampled
-                if self.concurrent_resamples:
+                if self.concurrent_resamples and k not in cancelled:
                     launch(k)  # (a no-op when it started ahead)
-                group, judge_dropped = await (ahead.pop(k) if self.concurrent_resamples else attempt(k))
+                    group, judge_dropped = await ahead.pop(k)
+                else:  # (one cancelled early and needed after all: the diversity bonus evened the rewards out)
+                    group, judge_dropped = await attempt(k)
                 out.group, out.bonus = group, self._shape(group)
                 out.resampled_trajectories += size
                 out.any_success |= any(t.success for t in group.trajectories)
@@ -196,6 +206,7 @@ class GroupProducer:
             if ahead:
                 await asyncio.gather(*ahead.values(), return_exceptions=True)
         out.speculative_trajectories = size * len(ahead)
+        out.speculative_cancelled_early = size * len(cancelled)
         out.dropped = (degenerate and self.filter) or judge_dropped
         return out
 
@@ -219,6 +230,7 @@ def record_production_metrics(batch: list[Produced], normalization: Normalizatio
     record_metric("rollout/resampled_groups", sum(p.resampled for p in batch), "sum")
     record_metric("rollout/resampled_trajectories", sum(p.resampled_trajectories for p in batch), "sum")
     record_metric("rollout/speculative_trajectories", sum(p.speculative_trajectories for p in batch), "sum")
+    record_metric("rollout/speculative_cancelled_early", sum(p.speculative_cancelled_early for p in batch), "sum")
     record_metric("rollout/dropped_groups", sum(p.dropped for p in batch), "sum")
     record_metric("rollout/failed_groups", sum(p.failed for p in batch), "sum")
     for key, name in (("diversity_bonus_mean", "reward/diversity_bonus_mean"),
