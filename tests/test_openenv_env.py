@@ -38,21 +38,22 @@ def gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie has exited
 
 
-@pytest.fixture(scope="module")
-def guess_url():
-    """The example's server, started by the test as a user would (uvicorn), not by tether."""
-    server = ServerProcess(AppSpec("guess_server:app", EXAMPLE), index=90)
+def served(spec: AppSpec, index: int):
+    """A server started by the test as a user would (uvicorn), not by tether: its URL while the fixture lives."""
+    server = ServerProcess(spec, index=index)
     server.start(60)
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def guess_url():
+    yield from served(AppSpec("guess_server:app", EXAMPLE), 90)
 
 
 @pytest.fixture(scope="module")
 def probe_url():
-    server = ServerProcess(AppSpec("openenv_apps:app", TESTS), index=91)
-    server.start(60)
-    yield server.url
-    server.stop()
+    yield from served(AppSpec("openenv_apps:app", TESTS), 91)
 
 
 def episode(url: str, **keys) -> OpenEnvEpisode:
