@@ -14,10 +14,10 @@ reached at the episode's endpoint (``ep.base_url``, ``ep.api_key``, ``ep.model``
 (``Trace.reward``: the weighted sum of its rewards). The environment's ``finalize`` gives the same reward, each of
 verifiers' rewards as a reward component (``verifiers/<name>``, weighted) and its metrics in the info.
 
-The harness is verifiers' ``null`` harness (a tool-less chat loop) run in this process (``ChatHarness``): the
-bundled one launches its chat program through ``uv``, which fetches the program's dependencies at run time. As
-verifiers' harness contract allows, it runs its loop in-process, every model call through the interception
-endpoint. A task with tool servers (``Task.toolsets``) is refused by verifiers' own pairing check.
+The harness is verifiers' ``null`` harness (a tool-less chat loop) run in this process (``ChatHarness``: one
+completion, no tools offered): the bundled one launches its chat program through ``uv``, which fetches the program's
+dependencies at run time. As verifiers' harness contract allows, it runs in-process, its model call through the
+interception endpoint. A task with tool servers (``Task.toolsets``) is refused by verifiers' own pairing check.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ class VerifiersRolloutFailed(RuntimeError):
 
 
 class ChatHarness(NullHarness):
-    """verifiers' ``null`` harness run in-process: the conversation (system prompt, the task's prompt) sent to the
-    interception endpoint until the model answers without tool calls; a tool call (none is offered) gets the
-    bundled chat program's ``unknown tool`` error. Returns a synthetic ``ProgramResult``; the trace is the record."""
+    """verifiers' ``null`` harness run in-process: the conversation (system prompt, the task's prompt) sent once to
+    the interception endpoint, the reply the run's answer. No tools are offered, so the bundled chat loop would stop
+    there too. Returns a synthetic ``ProgramResult`` (exit 1 with the error when the endpoint refused the call: a
+    limit of the episode); the trace is the record."""
 
     SUPPORTS_MCP = False  # no tool servers: verifiers' pairing check refuses a task that has some
     SUPPORTS_TOOL_INTERCEPTION = False
@@ -64,19 +65,12 @@ class ChatHarness(NullHarness):
             messages += [message_to_wire(m) for m in prompt]
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
         try:
-            while True:
-                reply = await client.chat.completions.create(model=ctx.model, messages=messages)  # type: ignore[arg-type]
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    return vf.ProgramResult(exit_code=0, stdout=message.content or "", stderr="")
-                messages += [{"role": "tool", "tool_call_id": call.id, "name": getattr(call, "function", call).name,
-                              "content": f"error: unknown tool {getattr(call, 'function', call).name!r}"}
-                             for call in message.tool_calls]
-        except APIError as e:  # the endpoint refused (a limit of the episode): verifiers records the harness's exit
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages)  # type: ignore[arg-type]
+        except APIError as e:
             return vf.ProgramResult(exit_code=1, stdout="", stderr=f"{type(e).__name__}: {e}")
         finally:
             await client.close()
+        return vf.ProgramResult(exit_code=0, stdout=reply.choices[0].message.content or "", stderr="")
 
 
 def _key_variable(api_key: str) -> str:
