@@ -135,6 +135,25 @@ def test_a_refused_call_and_a_failing_reward_end_the_episode_with_their_cause(wo
     assert len(failed.errors) == 1 and "the grader is down" in failed.errors[0], failed.errors
 
 
+def test_success_reward_and_agent_config_reach_the_episode(world):
+    """success_reward 1.0 → 0.05: a wrong reply with a number (0.1) becomes a success. agent_config's rollout
+    timeout (verifiers' own stage deadline) of 1 µs: the right reply is never scored, reward 1.1 → 0."""
+    arith, tok = world
+
+    def one(bridge, text):
+        task = bridge.list_tasks("train")[0]
+        return play(program_loop(tok, [text.format(bridge.row(task).data.answer)], bridge.agent), bridge, [task])[0]
+
+    wrong = "it is 1{}"
+    assert [(t.reward, t.success) for t in (one(VerifiersTaskset(arith.ArithTaskset(size=2)), wrong),
+                                            one(VerifiersTaskset(arith.ArithTaskset(size=2), success_reward=0.05),
+                                                wrong))] == [(pytest.approx(0.1), False), (pytest.approx(0.1), True)]
+    right = "\\boxed{{{}}}"
+    assert one(VerifiersTaskset(arith.ArithTaskset(size=2)), right).reward == pytest.approx(1.1)
+    late = one(VerifiersTaskset(arith.ArithTaskset(size=2), agent_config={"timeout": {"rollout": 1e-6}}), right)
+    assert late.reward == 0.0 and late.reward_components["verifiers/correct"] == 0.0
+
+
 def test_splits_are_disjoint_rows_and_an_eval_taskset_replaces_the_held_out_rows(world):
     arith, _ = world
 

@@ -28,10 +28,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import verifiers.v1 as vf
+try:
+    import verifiers.v1 as vf
+    from verifiers.v1.dialects.chat import message_to_wire
+    from verifiers.v1.harnesses.null.harness import NullHarness, NullHarnessConfig
+except ImportError as e:  # the optional extra, in a venv of its own
+    raise ImportError(f"tether.programs.verifiers needs verifiers 0.4.0 ({e}): pip install 'tether[verifiers]' in a "
+                      "venv of its own (its openai and mcp pins differ from the test and mcp extras')") from e
 from openai import APIError, AsyncOpenAI
-from verifiers.v1.dialects.chat import message_to_wire
-from verifiers.v1.harnesses.null.harness import NullHarness, NullHarnessConfig
 
 from tether.env.base import Action, Observation, StepOutput
 from tether.programs.episode import Episode
@@ -154,17 +158,17 @@ class VerifiersTaskset:
 
     eval_taskset: the held-out rows (default: the train taskset's rows after ``environment.num_train_tasks``).
     success_reward: the verifiers reward at or above which an episode counts as a success (tether's
-    ``success``). agent_config: fields of ``vf.AgentConfig`` for every rollout (e.g. ``max_turns``, ``timeout``);
-    the model, client, runtime and harness are the bridge's."""
+    ``success``). agent_config: fields of ``vf.AgentConfig`` for every rollout (e.g. ``timeout``, ``retries``); the
+    model, client, sampling, runtime and harness are the bridge's."""
 
     def __init__(self, taskset: vf.Taskset, *, eval_taskset: vf.Taskset | None = None, success_reward: float = 1.0,
                  agent_config: dict[str, Any] | None = None):
         self.taskset, self.eval_taskset, self.success_reward = taskset, eval_taskset, success_reward
         self.agent_config = dict(agent_config or {})
-        clash = {"model", "client", "runtime", "harness"} & set(self.agent_config)
+        clash = {"model", "client", "runtime", "harness", "sampling"} & set(self.agent_config)
         if clash:
-            raise ValueError(f"agent_config sets {sorted(clash)}: the bridge sets those (the episode's endpoint and "
-                             "model, a subprocess runtime, the in-process chat harness)")
+            raise ValueError(f"agent_config sets {sorted(clash)}: the bridge sets those (the episode's endpoint, model "
+                             "and sampling, a subprocess runtime, the in-process chat harness)")
         self._rows: dict[str, list[vf.Task]] = {}
         self._tasks: dict[str, Task] = {}
 
