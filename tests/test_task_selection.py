@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from conftest import read_rows
-
 from tether.config.policy import TaskSelectionConfig
 from tether.metrics import MetricsRecorder, set_recorder
 from tether.pipeline.tasks import TaskSampler
