@@ -333,6 +333,10 @@ REGISTRY: list[Figure] = [
            "fine-tuning (lr 8e-5), 3 seeds each; the trained adapter in the engine vs peft's forward",
            "python benchmarks/lora_learning.py", last_line("LoRA r="), 6, quick="--seeds 0",
            block=block_from("seed 0")),
+    Figure("program-learning", "the demo's RL phase (16 steps from tiny-sft) played by examples/openai_agent (the "
+           "official openai SDK over HTTP, `agent_loop.name: program`) vs the tool_agent loop, seed 0; recorded vs "
+           "teacher-forced logprobs over 64 episodes", "python benchmarks/program_learning.py",
+           last_line("seed 0 program - tool_agent"), 4, block=block_from("seed 0 tool_agent")),
     Figure("lora-merge", "LoRA in the engine merged (once per sync) vs unmerged (low-rank products every decode step), "
            "the demo's shape and 4× wider, 1 thread (printed table below)", "python benchmarks/lora_merge.py",
            last_line("merged: "), 1, block=block_from("demo (")),
