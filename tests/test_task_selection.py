@@ -85,3 +85,23 @@ def test_the_key_changes_which_tasks_a_run_trains(small_run):
     rows = [r for r in read_rows(on_dir) if "tasks/skipped" in r]
     assert sum(r["tasks/skipped"] for r in rows) > 0
     assert not any("tasks/skipped" in r for r in read_rows(off_dir))
+
+
+def test_a_task_not_drawn_yet_is_judged_by_its_kind():
+    """Eight tasks drawn once each in the first epoch: after two degenerate groups of kind "easy", the unseen "easy"
+    tasks are passed over; "hard" ones (informative groups) are not."""
+    tasks = [Task(f"e{i}", "train", "easy") for i in range(4)] + [Task(f"h{i}", "train", "hard") for i in range(4)]
+    sampler = TaskSampler(tasks, 1, seed=0, selection=TaskSelectionConfig(enabled=True, window=2, skip_steps=50))
+    plain = [ids(TaskSampler(tasks, 1, seed=0).batch(s))[0] for s in range(1, 17)]
+    drawn = []
+    for step in range(1, 9):
+        drawn += ids(sampler.batch(step))
+        sampler.observe(produced(sampler, step, {t.id for t in tasks if t.kind == "easy"}), step)
+    first_two_easy = [i for i, t in enumerate(plain) if t.startswith("e")][:2]
+    decided = first_two_easy[1] + 1  # the step whose group decided the kind
+    assert drawn[:decided] == plain[:decided]
+    later_easy = [t for t in drawn[decided:] if t.startswith("e")]
+    assert later_easy and set(later_easy) <= set(drawn[:decided])  # no unseen easy task: only those with a history
+    # the order with the unseen easy tasks taken out (a seen one is judged by its own single group: drawn)
+    expected = [t for t in plain[decided:] if not (t.startswith("e") and t not in drawn[:decided])]
+    assert drawn[decided:decided + 4] == expected[:4]

@@ -91,10 +91,12 @@ class TaskSelectionConfig(Section):
     enabled: bool = False
     """Draw by difficulty: a task whose last ``window`` groups (their first attempts) were all degenerate — every
     rollout scored alike, all passed or all failed, so no signal — is skipped for ``skip_steps`` steps and then drawn
-    again (a re-probe); the tasks that still teach take its places, in the epochs' shuffled order (online difficulty
-    filtering, as DAPO's dynamic sampling does within a step). off: every task in turn (shuffled epochs)."""
+    again (a re-probe); a task not drawn yet is judged by its kind's last ``window`` groups. The tasks that still
+    teach take the skipped ones' places, in the epochs' shuffled order (online difficulty filtering, as DAPO's
+    dynamic sampling does within a step). off: every task in turn (shuffled epochs)."""
     window: PosInt = 2
-    """Degenerate groups in a row, of a task's own first attempts, that make it skipped, in groups."""
+    """Degenerate groups in a row (first attempts) of a task, or of a kind for its tasks not drawn yet, that make it
+    skipped, in groups."""
     skip_steps: PosInt = 8
     """How long a skipped task waits before it is drawn again, in trainer steps."""
 

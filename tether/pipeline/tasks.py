@@ -5,7 +5,9 @@ order — epoch e is a permutation of the tasks drawn from (seed, e) — a funct
 
 On: the same order, read from a cursor. A task whose last ``window`` groups (the first attempts of its own groups,
 reported by ``observe``) were all degenerate is *decided* — always passed or always failed, nothing to learn from —
-and is passed over until ``skip_steps`` steps after it was decided; then it is drawn again where the order reaches
+and is passed over until ``skip_steps`` steps after it was decided. A task not drawn before (with hundreds of
+tasks, most of a run's draws) is judged by its kind's last ``window`` groups instead, as the rollout allocation
+takes a kind's statistics for an unseen task; then it is drawn again where the order reaches
 it (a re-probe: one more degenerate group decides it again, an informative one keeps it in). The passed-over
 places go to the next tasks of the order (a task drawn once in a step is passed over, not drawn twice). When every
 task is decided the order's next task is drawn anyway. Each
@@ -61,8 +63,12 @@ class TaskSampler:
                 self._batches[s] = self._draw(s)
             return [self._by_id[i] for i in self._batches[step]]
 
+    def _key(self, task: Task) -> str:
+        """Whose history judges ``task``: its own once it has one, else its kind's (``kind:<kind>``)."""
+        return task.id if task.id in self._history else f"kind:{task.kind}"
+
     def _skipped(self, task: Task, step: int) -> bool:
-        at = self._decided_at.get(task.id)
+        at = self._decided_at.get(self._key(task))
         return at is not None and step < at + self.selection.skip_steps
 
     def _draw(self, step: int) -> list[str]:
@@ -83,8 +89,8 @@ class TaskSampler:
         for kind, n in kinds.items():
             record_metric(f"tasks/draws/{kind}", n, "sum")
         # the share of this step's tasks whose last group was degenerate: what the history predicts
-        record_metric("tasks/predicted_degenerate_ratio",
-                      sum(bool(h) and h[-1] for i in out if (h := self._history.get(i)) is not None) / len(out))
+        last = [h[-1] for i in out if (h := self._history.get(self._key(self._by_id[i]))) is not None and h]
+        record_metric("tasks/predicted_degenerate_ratio", sum(last) / len(out))
         return out
 
     def observe(self, produced: list[Any], step: int) -> None:
@@ -97,12 +103,14 @@ class TaskSampler:
                     continue
                 drawn = self._batches.get(p.step)  # the task it was drawn for (resample: new_task generates others)
                 task_id = drawn[p.index] if drawn is not None and p.index < len(drawn) else p.group.task_id
-                history = self._history.setdefault(task_id, deque(maxlen=self.selection.window))
-                history.append(bool(p.first_degenerate))
-                if len(history) == self.selection.window and all(history):
-                    self._decided_at[task_id] = step
-                else:
-                    self._decided_at.pop(task_id, None)
+                kind = self._by_id[task_id].kind if task_id in self._by_id else None
+                for key in (task_id, *([f"kind:{kind}"] if kind is not None else [])):
+                    history = self._history.setdefault(key, deque(maxlen=self.selection.window))
+                    history.append(bool(p.first_degenerate))
+                    if len(history) == self.selection.window and all(history):
+                        self._decided_at[key] = step
+                    else:
+                        self._decided_at.pop(key, None)
 
     def state_dict(self) -> dict:
         with self._lock:
