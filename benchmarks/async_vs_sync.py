@@ -8,12 +8,14 @@ latency with a long tail, so a sync step waits for its slowest episode.
 
 Ideal speed-up, from the stage times measured in the sync run (Little's law): an async pipeline with C
 trajectories in flight finishes at most C / T_episode trajectories per second; it cannot train faster than
-B / T_train; and here trainer and engine share the same CPU cores, so a step costs at least
-T_train + T_engine of compute (T_engine: the engine's busy time per batch, ``perf/engine_busy_s``). Ideal
-throughput = min(B / (T_train + T_engine), C / T_episode), against the sync throughput B / (T_rollout + T_train).
-T_episode is the median episode wall time, T_rollout the wall time of a sync batch (its slowest episode),
-B the batch size, C = min(max_concurrent_tasks, num_workers, (max_staleness + 1) · B); medians over steps.
-(With the trainer and the engine on separate devices the first bound is B / T_train instead.)
+B / T_learner; and here trainer and engine share the same CPU cores, so a step costs at least
+T_learner + T_engine of compute. T_learner is the learner's own busy time per step (``perf/learner_overlap_s`` +
+``perf/learner_after_rollout_s``: in sync mode the learner trains each group beside the rollout, so step −
+rollout time is no measure of it), T_engine the engine's busy time per batch (``perf/engine_busy_s``). Ideal
+throughput = min(B / (T_learner + T_engine), C / T_episode), against the measured sync throughput.
+T_episode is the median episode wall time, B the batch size, C = min(max_concurrent_tasks, num_workers,
+(max_staleness + 1) · B); medians over steps. (With the trainer and the engine on separate devices the first
+bound is B / T_learner instead.)
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
+def learner_busy(row: dict) -> float:
+    """The learner's seconds in a sync step: beside the rollout and after it (step − rollout without overlap)."""
+    if "perf/learner_overlap_s" in row:
+        return row["perf/learner_overlap_s"] + row["perf/learner_after_rollout_s"]
+    return row["perf/step_time"] - row["perf/rollout_time"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -96,26 +105,25 @@ def main() -> None:
     trained = args.steps * batch
     sync_rows = results["sync"][1]
     t_rollout = median([r["perf/rollout_time"] for r in sync_rows])
-    t_train = median([r["perf/step_time"] - r["perf/rollout_time"] for r in sync_rows])
+    t_train = median([learner_busy(r) for r in sync_rows])
     t_episode = median([r["agent/generate_sequences"] + r["agent/tool_calls"] + r["agent/compute_score"]
                         for r in sync_rows])
     t_engine = median([r["perf/engine_busy_s"] for r in sync_rows])
     print(f"workload: {args.steps} steps x {batch} trajectories, tools lognormal median 500 ms, sigma 1.2, "
           f"cap 8 s; {args.threads} threads")
     print(f"sync stage times (median per step): rollout {t_rollout:.2f} s (slowest episode), "
-          f"train {t_train:.2f} s, engine busy {t_engine:.2f} s, mean episode {t_episode:.2f} s")
+          f"learner busy {t_train:.2f} s, engine busy {t_engine:.2f} s, mean episode {t_episode:.2f} s")
     print(f"{'mode':22s} {'wall s':>8s} {'samples/s':>10s} {'speed-up':>9s} {'ideal':>7s} {'of ideal':>9s}")
     sync_rate = trained / results["sync"][0]
-    sync_ideal_rate = batch / (t_rollout + t_train)
     lines = []
     for mode, (wall, _rows) in results.items():
         rate = trained / wall
         staleness = 0 if mode == "sync" else (1 if mode == "one_step_off_policy" else 4)
         worker = cfg.rollout.worker
         in_flight = min(worker.max_concurrent_tasks, worker.num_workers, (staleness + 1) * batch)
-        ideal_rate = (batch / (t_rollout + t_train) if mode == "sync"
+        ideal_rate = (sync_rate if mode == "sync"
                       else min(batch / (t_train + t_engine), in_flight / t_episode))
-        ideal = ideal_rate / sync_ideal_rate
+        ideal = ideal_rate / sync_rate
         speedup = rate / sync_rate
         lines.append((mode, speedup, ideal))
         print(f"{mode:22s} {wall:8.1f} {rate:10.2f} {speedup:8.2f}x {ideal:6.2f}x {speedup / ideal:8.0%}")
