@@ -43,11 +43,11 @@ from typing import Any
 
 from tether.agent.chat import ChatAssembler, TokenBuffer, observation_text
 from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
+from tether.agent.rules import apply_final_info
 from tether.engine.base import InferenceEngine, SamplingParams
 from tether.engine.grammar import Grammar, Grammars, ToolSpec
 from tether.env.base import Action, Env
 from tether.env.memory import KeepRecentK, TurnRecord
-from tether.env.termination import CUT_REASONS
 from tether.types import Segment, Task, Trajectory
 
 USER_TOOL = "respond_to_user"
@@ -363,13 +363,7 @@ class _Episode:
         tr.continuations = [Segment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.versions)
                             for b in rest]
         tr.messages = self.messages
-        tr.reward_components = dict(info.get("reward_components", {}))
-        tr.pending_judge = info.get("pending_judge")  # rubrics the reward loop scores (verifier.judge: llm)
-        tr.hacking_flags = dict(info.get("hacking_flags", {}))
-        tr.success = bool(info.get("success", False))
-        tr.termination = str(info.get("termination", ""))
-        tr.truncated = bool(info["truncated"]) if "truncated" in info else tr.termination in CUT_REASONS
-        tr.max_turns_failed = bool(info.get("max_turns_failed", False))
+        apply_final_info(tr, info)
         tr.metrics.compute_score += float(info.get("compute_score_s", 0.0))
         tr.num_user_turns, tr.num_assistant_turns = self.user_turns, self.assistant_turns
         tr.metrics.num_turns = self.user_turns + self.assistant_turns + 1
