@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tether.agent.chat import observation_text
+from tether.agent.rules import EPISODE_ENDED, refused_call
 from tether.env.base import Env
 from tether.programs.recording import Session
 from tether.types import Task
@@ -108,14 +109,12 @@ class Episode:
         return obs
 
     async def _step(self, name: str, arguments: dict[str, Any] | str | None, in_turn: int) -> Observation:
-        if in_turn > self.limits.max_parallel_calls:
-            return self._error(f"error: at most {self.limits.max_parallel_calls} tool calls per turn; '{name}' was "
-                               "not run")
-        if name not in {t["function"]["name"] for t in self.tools}:
-            return self._error(f"error: tool '{name}' is not available; available: "
-                               f"{sorted(t['function']['name'] for t in self.tools)}")
-        if self.env_done:
-            return Observation("error: the episode has ended", error=True, done=True)
+        refusal = refused_call(name, [t["function"]["name"] for t in self.tools], env_done=self.env_done,
+                               call_in_turn=in_turn, max_parallel_calls=self.limits.max_parallel_calls)
+        if refusal == EPISODE_ENDED:
+            return Observation(refusal, error=True, done=True)
+        if refusal is not None:
+            return self._error(refusal)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
