@@ -82,8 +82,16 @@ class Episode:
     @property
     def done(self) -> bool:
         """The episode is over: the environment ended it, or a limit of ``agent_loop`` was reached."""
-        return (self._ended or self.env_done or self.user_turns >= self.limits.max_user_turns
-                or self.session.started >= self.limits.max_assistant_turns)
+        return self._ended or self.env_done or self.limit_reached is not None
+
+    @property
+    def limit_reached(self) -> str | None:
+        """The ``agent_loop`` limit the episode has reached (``max_user_turns``, ``max_assistant_turns``), or None."""
+        if self.user_turns >= self.limits.max_user_turns:
+            return "max_user_turns"
+        if self.session.started >= self.limits.max_assistant_turns:
+            return "max_assistant_turns"
+        return None
 
     def call_tool(self, name: str, arguments: dict[str, Any] | str | None = None) -> Observation:
         """Run one tool call (arguments as a dict or the JSON string of a tool call); from a program's thread."""

@@ -118,7 +118,7 @@ class ProgramAgentLoop(AgentLoopBase):
                                                  s.versions) for s in rest])
         info = ep.info
         if not ep.env_done:
-            reason = failure or ep.session.ending or self._limit_reached(ep) or "no_action"
+            reason = failure or ep.session.ending or ep.limit_reached or "no_action"
             reward, info = ep.env.finalize(reason)
             info = dict(info)
             info.setdefault("termination", reason)
@@ -136,13 +136,6 @@ class ProgramAgentLoop(AgentLoopBase):
         traj.metrics.num_turns = ep.user_turns + len(calls) + 1
         traj.check()
         return traj
-
-    def _limit_reached(self, ep: Episode) -> str | None:
-        if ep.user_turns >= self.limits.max_user_turns:
-            return "max_user_turns"
-        if ep.session.started >= self.limits.max_assistant_turns:
-            return "max_assistant_turns"
-        return None
 
     def _messages(self, ep: Episode) -> list[dict[str, Any]]:
         """A readable conversation: each generation parsed as the tool_agent loop parses it, then what answered."""
