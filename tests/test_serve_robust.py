@@ -21,7 +21,7 @@ from tether.agent import chat as agent_chat
 from tether.engine.local import LocalEngine
 from tether.learner.model import load_model_and_tokenizer
 from tether.serve import ServerThread, make_app
-from tether.serve.app import default_request_bytes
+from tether.serve.gate import default_request_bytes
 from tether.serve.server import exposure_warning, is_loopback
 
 KEY = "sk-tether-TEST-7a1c0e"

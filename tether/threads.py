@@ -101,6 +101,12 @@ def _affinity() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
+def available_cores() -> int:
+    """The CPUs this process may run on: its affinity mask (every CPU where the platform has none). Neither the
+    cgroup quota (``quota_cores``) nor what other processes keep busy (``CpuMeter``) is taken off."""
+    return len(_affinity())
+
+
 @dataclass(frozen=True)
 class CpuReading:
     """One look at the CPUs: when, their busy seconds (all processes), and this process's CPU seconds."""

@@ -43,11 +43,11 @@ from typing import Any
 
 from tether.agent.chat import ChatAssembler, TokenBuffer, observation_text
 from tether.agent.parsers import ParsedTurn, ToolCall, get_parser
+from tether.agent.rules import EPISODE_ENDED, apply_final_info, refused_call
 from tether.engine.base import InferenceEngine, SamplingParams
 from tether.engine.grammar import Grammar, Grammars, ToolSpec
 from tether.env.base import Action, Env
 from tether.env.memory import KeepRecentK, TurnRecord
-from tether.env.termination import CUT_REASONS
 from tether.types import Segment, Task, Trajectory
 
 USER_TOOL = "respond_to_user"
@@ -272,8 +272,10 @@ class _Episode:
                     replies.append(obs["user_reply"])
                 records.append(TurnRecord(turn, call.name, call.arguments, shown, bool(obs.get("tool_error")),
                                           obs.get("user_reply")))
-            for call in parsed.calls[limits.max_parallel_calls:]:
-                err = f"error: at most {limits.max_parallel_calls} tool calls per turn; '{call.name}' was not run"
+            for n, call in enumerate(parsed.calls[limits.max_parallel_calls:], limits.max_parallel_calls + 1):
+                err = refused_call(call.name, self.tool_names, env_done=self.env_done, call_in_turn=n,
+                                   max_parallel_calls=limits.max_parallel_calls)
+                assert err is not None  # beyond max_parallel_calls: refused whatever the call
                 self.traj.errors.append(err)
                 new_messages.append({"role": "tool", "tool_call_id": call.id, "content": err})
                 records.append(TurnRecord(turn, call.name, call.arguments, err, True))
@@ -328,12 +330,11 @@ class _Episode:
 
     async def _step(self, action: Action) -> dict[str, Any]:
         name = action["name"]
-        if name not in self.tool_names:
-            err = f"error: tool '{name}' is not available; available: {sorted(self.tool_names)}"
-            self.traj.errors.append(err)
+        err = refused_call(name, self.tool_names, env_done=self.env_done)  # calls past the limit never get here
+        if err is not None:
+            if err != EPISODE_ENDED:  # that one is no error of the call: an earlier call of this turn ended the episode
+                self.traj.errors.append(err)
             return {"last_tool_result": err, "tool_error": True}
-        if self.env_done:  # an earlier call of this turn ended the episode
-            return {"last_tool_result": "error: the episode has ended", "tool_error": True}
         obs, reward, done, info = await self.env.astep(action)
         if obs.get("tool_error"):
             self.traj.errors.append(f"tool {name}: {obs.get('last_tool_result', '')}")
@@ -363,13 +364,7 @@ class _Episode:
         tr.continuations = [Segment(b.prompt_ids, b.response_ids, b.response_mask, b.logprobs, b.versions)
                             for b in rest]
         tr.messages = self.messages
-        tr.reward_components = dict(info.get("reward_components", {}))
-        tr.pending_judge = info.get("pending_judge")  # rubrics the reward loop scores (verifier.judge: llm)
-        tr.hacking_flags = dict(info.get("hacking_flags", {}))
-        tr.success = bool(info.get("success", False))
-        tr.termination = str(info.get("termination", ""))
-        tr.truncated = bool(info["truncated"]) if "truncated" in info else tr.termination in CUT_REASONS
-        tr.max_turns_failed = bool(info.get("max_turns_failed", False))
+        apply_final_info(tr, info)
         tr.metrics.compute_score += float(info.get("compute_score_s", 0.0))
         tr.num_user_turns, tr.num_assistant_turns = self.user_turns, self.assistant_turns
         tr.metrics.num_turns = self.user_turns + self.assistant_turns + 1

@@ -12,6 +12,7 @@ Secrets (``api_key`` and any ``*_key`` / ``*token*`` / ``*secret*`` / ``password
 (``.get()``), so validating a file needs no secret, and no dump, ``repr`` or log ever shows the value.
 """
 
+from tether.config.agent import *  # noqa: F401,F403
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import ConfigError, CrossFieldError, Secret, Section, interpolate  # noqa: F401
 from tether.config.environment import *  # noqa: F401,F403

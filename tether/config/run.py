@@ -8,6 +8,7 @@ import yaml
 from pydantic import model_validator
 
 from tether.config.actor import ActorWorkerConfig
+from tether.config.agent import AgentLoopConfig, ToolParserConfig
 from tether.config.aliases import fold
 from tether.config.base import *  # noqa: F401,F403
 from tether.config.base import _check

@@ -38,7 +38,7 @@ from tether.learner.learner import Learner
 from tether.learner.model import load_model_and_tokenizer, torch_dtype
 from tether.learner.ranks import Ranks
 from tether.learner.spawn import DEFAULT_TIMEOUT_S, Spawned, spawn_ranks
-from tether.threads import fixed_threads
+from tether.threads import available_cores, fixed_threads
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,7 @@ def start_trainer(model: Any, model_dir: str, spec: LearnerSpec, *, num_ranks: i
 
 def rank_threads(num_ranks: int) -> int:
     """Torch threads of each spawned rank on CPUs: ``TETHER_THREADS``, else an equal part of the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return fixed_threads() or max(1, cores // num_ranks)
+    return fixed_threads() or max(1, available_cores() // num_ranks)
 
 
 def _follow_rank(ranks: Ranks, model_dir: str, spec: LearnerSpec, threads: int) -> None:

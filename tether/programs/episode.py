@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tether.agent.chat import observation_text
+from tether.agent.rules import EPISODE_ENDED, refused_call
 from tether.env.base import Env
 from tether.programs.recording import Session
 from tether.types import Task
@@ -81,8 +82,16 @@ class Episode:
     @property
     def done(self) -> bool:
         """The episode is over: the environment ended it, or a limit of ``agent_loop`` was reached."""
-        return (self._ended or self.env_done or self.user_turns >= self.limits.max_user_turns
-                or self.session.started >= self.limits.max_assistant_turns)
+        return self._ended or self.env_done or self.limit_reached is not None
+
+    @property
+    def limit_reached(self) -> str | None:
+        """The ``agent_loop`` limit the episode has reached (``max_user_turns``, ``max_assistant_turns``), or None."""
+        if self.user_turns >= self.limits.max_user_turns:
+            return "max_user_turns"
+        if self.session.started >= self.limits.max_assistant_turns:
+            return "max_assistant_turns"
+        return None
 
     def call_tool(self, name: str, arguments: dict[str, Any] | str | None = None) -> Observation:
         """Run one tool call (arguments as a dict or the JSON string of a tool call); from a program's thread."""
@@ -108,14 +117,12 @@ class Episode:
         return obs
 
     async def _step(self, name: str, arguments: dict[str, Any] | str | None, in_turn: int) -> Observation:
-        if in_turn > self.limits.max_parallel_calls:
-            return self._error(f"error: at most {self.limits.max_parallel_calls} tool calls per turn; '{name}' was "
-                               "not run")
-        if name not in {t["function"]["name"] for t in self.tools}:
-            return self._error(f"error: tool '{name}' is not available; available: "
-                               f"{sorted(t['function']['name'] for t in self.tools)}")
-        if self.env_done:
-            return Observation("error: the episode has ended", error=True, done=True)
+        refusal = refused_call(name, [t["function"]["name"] for t in self.tools], env_done=self.env_done,
+                               call_in_turn=in_turn, max_parallel_calls=self.limits.max_parallel_calls)
+        if refusal == EPISODE_ENDED:
+            return Observation(refusal, error=True, done=True)
+        if refusal is not None:
+            return self._error(refusal)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")

@@ -23,8 +23,8 @@ from typing import Any
 
 from tether.agent.chat import ChatAssembler, TokenBuffer
 from tether.agent.loop import AgentLoopBase, register
+from tether.agent.rules import apply_final_info
 from tether.env.base import Env
-from tether.env.termination import CUT_REASONS
 from tether.programs.command import CommandFailed, run_command
 from tether.programs.episode import Episode, Limits
 from tether.programs.gateway import MODEL_NAME, Gateway
@@ -118,7 +118,7 @@ class ProgramAgentLoop(AgentLoopBase):
                                                  s.versions) for s in rest])
         info = ep.info
         if not ep.env_done:
-            reason = failure or ep.session.ending or self._limit_reached(ep) or "no_action"
+            reason = failure or ep.session.ending or ep.limit_reached or "no_action"
             reward, info = ep.env.finalize(reason)
             info = dict(info)
             info.setdefault("termination", reason)
@@ -128,13 +128,7 @@ class ProgramAgentLoop(AgentLoopBase):
             info = {**info, "reward_components": {**info.get("reward_components", {}), "program": float(returned)}}
         traj.reward = float(ep.reward or 0.0)
         traj.messages = self._messages(ep)
-        traj.reward_components = dict(info.get("reward_components", {}))
-        traj.pending_judge = info.get("pending_judge")
-        traj.hacking_flags = dict(info.get("hacking_flags", {}))
-        traj.success = bool(info.get("success", False))
-        traj.termination = str(info.get("termination", ""))
-        traj.truncated = bool(info["truncated"]) if "truncated" in info else traj.termination in CUT_REASONS
-        traj.max_turns_failed = bool(info.get("max_turns_failed", False))
+        apply_final_info(traj, info)
         traj.errors = list(ep.errors)
         traj.num_tool_calls, traj.num_user_turns, traj.num_assistant_turns = ep.tool_calls, ep.user_turns, len(calls)
         traj.metrics.generate_sequences = sum(c.seconds for c in calls)
@@ -142,13 +136,6 @@ class ProgramAgentLoop(AgentLoopBase):
         traj.metrics.num_turns = ep.user_turns + len(calls) + 1
         traj.check()
         return traj
-
-    def _limit_reached(self, ep: Episode) -> str | None:
-        if ep.user_turns >= self.limits.max_user_turns:
-            return "max_user_turns"
-        if ep.session.started >= self.limits.max_assistant_turns:
-            return "max_assistant_turns"
-        return None
 
     def _messages(self, ep: Episode) -> list[dict[str, Any]]:
         """A readable conversation: each generation parsed as the tool_agent loop parses it, then what answered."""

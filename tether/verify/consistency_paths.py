@@ -31,6 +31,7 @@ from typing import Any
 from tether.agent.chat import observation_text
 from tether.agent.loop import SUMMARY_PREFIX, USER_TOOL, LoopLimits
 from tether.agent.parsers import ParsedTurn, ToolParser
+from tether.agent.rules import refused_call
 from tether.env.base import Env
 from tether.env.memory import TurnRecord
 from tether.llm import BadRequest, LLMClient
@@ -223,8 +224,10 @@ class _State:
                     replies.append(obs["user_reply"])
                 records.append(TurnRecord(turn, name, args, shown, bool(obs.get("tool_error")),
                                           obs.get("user_reply")))
-            for ident, name, args in calls[limits.max_parallel_calls:]:
-                err = f"error: at most {limits.max_parallel_calls} tool calls per turn; '{name}' was not run"
+            for n, (ident, name, args) in enumerate(calls[limits.max_parallel_calls:], limits.max_parallel_calls + 1):
+                err = refused_call(name, self.names, env_done=self.done, call_in_turn=n,
+                                   max_parallel_calls=limits.max_parallel_calls)
+                assert err is not None  # beyond max_parallel_calls: refused whatever the call
                 new.append({"role": "tool", "tool_call_id": ident, "content": err})
                 records.append(TurnRecord(turn, name, args, err, True))
         new += [{"role": "user", "content": r} for r in replies]
@@ -234,11 +237,9 @@ class _State:
         return records
 
     async def _step(self, name: str, args: Any) -> dict[str, Any]:
-        if name not in self.names:
-            return {"last_tool_result": f"error: tool '{name}' is not available; available: {sorted(self.names)}",
-                    "tool_error": True}
-        if self.done:
-            return {"last_tool_result": "error: the episode has ended", "tool_error": True}
+        err = refused_call(name, self.names, env_done=self.done)  # calls past the limit never get here
+        if err is not None:
+            return {"last_tool_result": err, "tool_error": True}
         obs, _, done, _ = await self.env.astep({"name": name, "params": args})
         self.done = self.done or done
         return dict(obs)
