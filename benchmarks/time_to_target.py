@@ -12,8 +12,9 @@ evaluation runs; the time to target is the training clock at the first evaluated
 the process CPU time over the same span (what the clock would read on idle cores with one thread, when other
 programs share the machine).
 
-Per seed: time to target (wall, CPU), evaluation seconds, held-out success at every evaluation and at the last
-step. The last line is ``time to 75% = X s (median of 3 seeds)`` ("not reached" counts as infinite).
+Per seed: time to target (wall, CPU), evaluation seconds, trajectories generated (first attempts and resamples) per
+trajectory trained, held-out success at every evaluation and at the last step. The last line is ``time to 75% = X s
+(median of 3 seeds)`` ("not reached" counts as infinite).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def run_seed(seed: int, model: str, steps: int, every: int, target: float, overr
     instrument(clock)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp) / "run", model_dir=model, show_progress=False)
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if r["step"] > 0]
+    generated = sum(r.get("rollout/generated_trajectories", 0) + r.get("rollout/resampled_trajectories", 0)
+                    for r in steps_rows)
+    trained = sum(r.get("rollout/trained_trajectories", 0) for r in steps_rows)
     hit = next((e for e in clock.evals if e["step"] > 0 and e["success"] >= target), None)
     return {"seed": seed, "evals": clock.evals, "target": target,
             "time_to_target_s": hit["train_wall_s"] if hit else math.inf,
@@ -94,7 +100,8 @@ def run_seed(seed: int, model: str, steps: int, every: int, target: float, overr
             "eval_s": sum(e["eval_wall_s"] for e in clock.evals),
             "train_s": clock.evals[-1]["train_wall_s"], "train_cpu_s": clock.evals[-1]["train_cpu_s"],
             "final_success": clock.evals[-1]["success"],
-            "final_step": clock.evals[-1]["step"]}
+            "final_step": clock.evals[-1]["step"],
+            "generated_per_trained": generated / trained if trained else math.inf}
 
 
 def summarise(results: list[dict[str, Any]]) -> str:
@@ -107,6 +114,7 @@ def summarise(results: list[dict[str, Any]]) -> str:
                      f"{r['final_success']:.1%}; training {r['train_s']:.0f} s "
                      f"({r['evals'][-1]['train_cpu_s']:.0f} s CPU), "
                      f"evaluation {r['eval_s']:.0f} s; "
+                     f"generated per trained trajectory {r.get('generated_per_trained', math.nan):.2f}; "
                      f"curve {curve}")
     times = [r["time_to_target_s"] for r in results]
     cpu = [r["cpu_to_target_s"] for r in results]
