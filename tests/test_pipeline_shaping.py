@@ -70,6 +70,26 @@ def test_degenerate_groups_are_resampled_then_dropped(metrics):
     assert (row["rollout/generated_trajectories"], row["rollout/resampled_trajectories"]) == (12, 16)
 
 
+class SlowRollouter(ScriptedRollouter):
+    """Each call sleeps its scripted seconds before returning its group."""
+
+    def __init__(self, script, delays):
+        super().__init__(script)
+        self.delays = {k: list(v) for k, v in delays.items()}
+
+    async def group(self, task, n, seed):
+        await asyncio.sleep(self.delays[task.id].pop(0))
+        return await super().group(task, n, seed)
+
+
+def test_group_time_is_the_first_attempts_wall_time(metrics):
+    # A's first attempt (0.05 s) is degenerate and resampled (0.6 s, not counted); B's takes 0.15 s: mean 0.1 s
+    rollouter = SlowRollouter({"A": [[1, 1, 1, 1], [1, 0, 1, 0]], "B": [[0, 1, 0, 1]]},
+                              {"A": [0.05, 0.6], "B": [0.15]})
+    produce_all(group_producer(cfg(), rollouter), [Task(k, "train", "refund") for k in "AB"], step=1)
+    assert 0.1 <= metrics.flush(1)["rollout/group_time_s"] < 0.3
+
+
 def test_no_resample_attempts_drops_at_once_and_filter_off_keeps(metrics):
     # std of [0, 0.1, 0, 0.1] = 0.0577 <= 0.1: degenerate; std of [0, 1, 0, 1] = 0.577: kept
     script = {"A": [[0, 0.1, 0, 0.1]], "B": [[0, 1, 0, 1]]}

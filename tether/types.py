@@ -25,6 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+USER_TOOL = "respond_to_user"
+"""The action that speaks to the user: a reply in plain text is this call (agent loops, replays, the diversity
+signature)."""
+
 
 @dataclass(frozen=True)
 class Task:

@@ -48,9 +48,8 @@ from tether.engine.base import InferenceEngine, SamplingParams
 from tether.engine.grammar import Grammar, Grammars, ToolSpec
 from tether.env.base import Action, Env
 from tether.env.memory import KeepRecentK, TurnRecord
-from tether.types import Segment, Task, Trajectory
+from tether.types import USER_TOOL, Segment, Task, Trajectory
 
-USER_TOOL = "respond_to_user"
 SUMMARY_PREFIX = "Earlier turns (summary): "
 _REGISTRY: dict[str, type[AgentLoopBase]] = {}
 

@@ -32,7 +32,8 @@ import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-USER_TOOL = "respond_to_user"  # as agent/loop.py
+from tether.types import USER_TOOL
+
 _NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 _NUMERIC_STRING = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _EDGE_PUNCT = "$€£.,;:!?\"'()[]{}<>"

@@ -1,5 +1,5 @@
 """The ``policy_optimization`` section: the objective and its controls (exploration, advantages, rollout
-allocation, KL control, optimizer). The other sections are in sections.py."""
+allocation, KL control, optimizer). The other sections are in sections.py and agent.py."""
 
 from __future__ import annotations
 

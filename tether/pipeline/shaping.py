@@ -32,7 +32,8 @@ Metrics: ``reward/diversity_bonus_mean``, ``rollout/semantic_cluster_count``,
 recorded with the advantages), ``rollout/resampled_groups``, ``rollout/resampled_trajectories``,
 ``rollout/dropped_groups``, ``rollout/generated_trajectories`` (first attempts), ``rollout/speculative_trajectories``
 (sync mode: episodes of resample attempts started together with an earlier one that turned out informative,
-then cancelled; see ``GroupProducer``),
+then cancelled; see ``GroupProducer``), ``rollout/group_time_s`` (mean wall seconds from a group's start to the end
+of its first attempt's last episode: the time a group holds its place under admission control),
 ``rollout/allocation_max`` / ``_min``; and the learning signal where it can fail, over every first attempt of
 the step's groups before the filter: ``optim/raw_reward_std_within_group`` (mean of the within-group reward
 stds, a singleton counting 0) and ``optim/advantage_std_before_filter`` (the std of the advantages those
@@ -43,6 +44,7 @@ groups would get). ``optim/advantage_std`` is taken after the filter and after g
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,8 +180,10 @@ class GroupProducer:
             return watch
 
         try:
+            t0 = time.perf_counter()
             group, judge_dropped = await self._rollouts(task, size, step_seed(self.seed, step),
                                                         watcher(1) if early else None)
+            record_metric("rollout/group_time_s", time.perf_counter() - t0, "mean")
             out = Produced(group, step, index, first_trajectories=size, bonus=self._shape(group))
             out.first_degenerate = degenerate = self._degenerate(group)
             out.first_rewards = list(group.rewards)

@@ -27,9 +27,7 @@ from tether.agent.chat import observation_text
 from tether.agent.rules import EPISODE_ENDED, refused_call
 from tether.env.base import Env
 from tether.programs.recording import Session
-from tether.types import Task
-
-USER_TOOL = "respond_to_user"
+from tether.types import USER_TOOL, Task
 
 
 @dataclass(frozen=True)
