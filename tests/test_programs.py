@@ -92,6 +92,9 @@ def test_the_openai_sdk_agent_makes_the_tool_agent_loops_trajectories(world):
             assert getattr(a, name) == getattr(b, name), (task.id, name)
         assert [m["role"] for m in a.messages] == [m["role"] for m in b.messages]
         assert a.num_tool_calls >= 1 and a.reward > 0
+        # both loops time the environment's steps and its scoring (agent/tool_calls, agent/compute_score)
+        assert a.metrics.tool_calls > 0 and b.metrics.tool_calls > 0, (a.metrics, b.metrics)
+        assert (a.metrics.compute_score > 0) == (b.metrics.compute_score > 0), (a.metrics, b.metrics)
 
 
 def test_recorded_logprobs_are_the_policys_teacher_forced(world):

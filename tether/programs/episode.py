@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     user_turns: int = 0
     tool_calls: int = 0
+    tool_s: float = 0.0  # wall seconds in the environment's steps (agent/tool_calls)
     errors: list[str] = field(default_factory=list)
     events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (calls made before, message)
     _turn_calls: tuple[int, int] = (0, 0)  # (generations so far, tool calls since the last one)
@@ -128,7 +130,9 @@ class Episode:
                 return self._error(f"error: could not parse the arguments of '{name}' as JSON: {e}")
         if name != USER_TOOL:
             self.tool_calls += 1
+        t = time.perf_counter()
         obs, reward, done, info = await self.env.astep({"name": name, "params": arguments or {}})
+        self.tool_s += time.perf_counter() - t
         if obs.get("tool_error"):
             self.errors.append(f"tool {name}: {obs.get('last_tool_result', '')}")
         if done and not self.env_done:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -116,10 +117,12 @@ class ProgramAgentLoop(AgentLoopBase):
                           response_mask=first.response_mask, logprobs=first.logprobs, versions=first.versions,
                           continuations=[Segment(s.prompt_ids, s.response_ids, s.response_mask, s.logprobs,
                                                  s.versions) for s in rest])
-        info = ep.info
+        info, score_s = ep.info, 0.0
         if not ep.env_done:
             reason = failure or ep.session.ending or ep.limit_reached or "no_action"
+            t = time.perf_counter()
             reward, info = ep.env.finalize(reason)
+            score_s = time.perf_counter() - t
             info = dict(info)
             info.setdefault("termination", reason)
             ep.reward = float(reward)
@@ -132,6 +135,8 @@ class ProgramAgentLoop(AgentLoopBase):
         traj.errors = list(ep.errors)
         traj.num_tool_calls, traj.num_user_turns, traj.num_assistant_turns = ep.tool_calls, ep.user_turns, len(calls)
         traj.metrics.generate_sequences = sum(c.seconds for c in calls)
+        traj.metrics.tool_calls = ep.tool_s  # as the tool_agent loop times them: the environment's steps
+        traj.metrics.compute_score = score_s + float(info.get("compute_score_s", 0.0))
         traj.metrics.num_preempted = sum(c.result.num_preempted for c in calls)
         traj.metrics.num_turns = ep.user_turns + len(calls) + 1
         traj.check()
