@@ -140,7 +140,7 @@ def engine_throughput(out: str) -> str:
 
 
 def async_vs_sync(out: str) -> str:
-    found = re.findall(r"^speedup (\S+)/sync = ([\d.]+) \(ideal ([\d.]+)\)", out, re.MULTILINE)
+    found = re.findall(r"^speedup (\S+)/sync = ([\d.]+) \(ideal ([\d.]+)[;)]", out, re.MULTILINE)
     if not found:
         raise ValueError("no 'speedup MODE/sync' line in the output")
     return "; ".join(f"{mode} **{s}×** sync (ideal {i}×, {float(s) / float(i):.0%} of it)" for mode, s, i in found)

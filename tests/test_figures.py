@@ -119,24 +119,24 @@ def test_no_markers_is_an_error_that_names_them(repo):
 ASYNC_VS_SYNC = """\
 [train] step 8 ...
 workload: 8 steps x 32 trajectories, tools lognormal median 500 ms, sigma 1.2, cap 8 s; 2 threads
-sync stage times (median per step): rollout 8.78 s (slowest episode), train 2.15 s, engine busy 0.39 s, \
-mean episode 4.07 s
+sync stage times (median per step): rollout 8.74 s (slowest episode), learner busy 0.19 s, engine busy 0.27 s, \
+mean episode 4.04 s, mean group 4.07 s
 mode                     wall s  samples/s  speed-up   ideal  of ideal
-sync                       83.1       3.08     1.00x   1.00x     100%
-one_step_off_policy        31.9       8.01     2.60x   4.30x      60%
-fully_async                20.9      12.23     3.97x   4.30x      92%
-speedup one_step_off_policy/sync = 2.60 (ideal 4.30)
-speedup fully_async/sync = 3.97 (ideal 4.30)
+sync                       66.1       3.87     1.00x   1.00x     100%
+one_step_off_policy        22.2      11.52     2.98x   4.07x      73%
+fully_async                11.2      22.76     5.88x  10.17x      58%
+speedup one_step_off_policy/sync = 2.98 (ideal 4.07; with C / T_episode, no bound: 4.09)
+speedup fully_async/sync = 5.88 (ideal 10.17; with C / T_episode, no bound: 10.23)
 """
 
 
 def test_async_vs_sync_parser_reads_the_benchmarks_printed_table():
     f = next(f for f in figures.REGISTRY if f.name == "async-vs-sync")
-    assert f.parse(ASYNC_VS_SYNC) == ("one_step_off_policy **2.60×** sync (ideal 4.30×, 60% of it); "
-                                      "fully_async **3.97×** sync (ideal 4.30×, 92% of it)")
+    assert f.parse(ASYNC_VS_SYNC) == ("one_step_off_policy **2.98×** sync (ideal 4.07×, 73% of it); "
+                                      "fully_async **5.88×** sync (ideal 10.17×, 58% of it)")
     assert f.block is not None
     block = f.block(ASYNC_VS_SYNC)
-    assert block.startswith("workload: 8 steps") and block.endswith("(ideal 4.30)") and "[train]" not in block
+    assert block.startswith("workload: 8 steps") and block.endswith("no bound: 10.23)") and "[train]" not in block
 
 
 def test_pytest_summary_as_printed_by_xdist_and_by_a_plain_run():
