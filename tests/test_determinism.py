@@ -23,7 +23,7 @@ from conftest import SMALL_RUN, read_rows
 WALL_CLOCK = {
     "perf/step_time", "perf/samples_per_s", "perf/tokens_per_s", "perf/rollout_time", "perf/weight_sync_s",
     "perf/engine_busy_s", "perf/trainer_idle_ratio", "perf/rollouter_idle_ratio",  # seconds and their ratios
-    "perf/learner_overlap_s", "perf/learner_after_rollout_s",
+    "perf/learner_overlap_s", "perf/learner_after_rollout_s", "rollout/group_time_s",
     "agent/generate_sequences", "agent/tool_calls", "agent/compute_score",  # seconds per episode in each stage
 }
 

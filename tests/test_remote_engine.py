@@ -244,7 +244,7 @@ def test_engine_type_remote_loads_and_names_the_keys_that_act_on_the_server_only
 
 WALL_CLOCK = {"perf/step_time", "perf/samples_per_s", "perf/tokens_per_s", "perf/rollout_time", "perf/weight_sync_s",
               "perf/engine_busy_s", "perf/trainer_idle_ratio", "perf/rollouter_idle_ratio", "agent/generate_sequences",
-              "perf/learner_overlap_s", "perf/learner_after_rollout_s",
+              "perf/learner_overlap_s", "perf/learner_after_rollout_s", "rollout/group_time_s",
               "agent/tool_calls", "agent/compute_score"}
 
 
