@@ -364,7 +364,6 @@ class _Episode:
                             for b in rest]
         tr.messages = self.messages
         apply_final_info(tr, info)
-        tr.metrics.compute_score += float(info.get("compute_score_s", 0.0))
         tr.num_user_turns, tr.num_assistant_turns = self.user_turns, self.assistant_turns
         tr.metrics.num_turns = self.user_turns + self.assistant_turns + 1
         tr.check()

@@ -28,7 +28,9 @@ def refused_call(name: str, offered: Collection[str], *, env_done: bool, call_in
 
 
 def apply_final_info(traj: Trajectory, info: Mapping[str, Any]) -> None:
-    """Set ``traj``'s outcome from the info of the step that ended the episode (or of ``env.finalize``)."""
+    """Set ``traj``'s outcome from the info of the step that ended the episode (or of ``env.finalize``), and add the
+    scoring time the environment reports (``compute_score_s``) to ``traj.metrics.compute_score``: the loops time
+    their own ``env.finalize`` call."""
     traj.reward_components = dict(info.get("reward_components", {}))
     traj.pending_judge = info.get("pending_judge")  # rubrics the reward loop scores (verifier.judge: llm)
     traj.hacking_flags = dict(info.get("hacking_flags", {}))
@@ -36,3 +38,4 @@ def apply_final_info(traj: Trajectory, info: Mapping[str, Any]) -> None:
     traj.termination = str(info.get("termination", ""))
     traj.truncated = bool(info["truncated"]) if "truncated" in info else traj.termination in CUT_REASONS
     traj.max_turns_failed = bool(info.get("max_turns_failed", False))
+    traj.metrics.compute_score += float(info.get("compute_score_s", 0.0))

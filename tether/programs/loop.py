@@ -131,12 +131,12 @@ class ProgramAgentLoop(AgentLoopBase):
             info = {**info, "reward_components": {**info.get("reward_components", {}), "program": float(returned)}}
         traj.reward = float(ep.reward or 0.0)
         traj.messages = self._messages(ep)
-        apply_final_info(traj, info)
+        traj.metrics.compute_score = score_s
+        apply_final_info(traj, info)  # adds the environment's own compute_score_s
         traj.errors = list(ep.errors)
         traj.num_tool_calls, traj.num_user_turns, traj.num_assistant_turns = ep.tool_calls, ep.user_turns, len(calls)
         traj.metrics.generate_sequences = sum(c.seconds for c in calls)
         traj.metrics.tool_calls = ep.tool_s  # as the tool_agent loop times them: the environment's steps
-        traj.metrics.compute_score = score_s + float(info.get("compute_score_s", 0.0))
         traj.metrics.num_preempted = sum(c.result.num_preempted for c in calls)
         traj.metrics.num_turns = ep.user_turns + len(calls) + 1
         traj.check()
