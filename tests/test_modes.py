@@ -66,6 +66,27 @@ def test_overlap_is_the_same_update(setup):
     assert all(torch.allclose(over_w[k], w[k], atol=1e-5) for k in w)
 
 
+
+def test_overlap_with_several_updates_a_step_is_the_same_training(setup):
+    """Two updates a step (mini 8 of 16) streamed beside the rollout: the first applied as soon as 8 trajectories
+    finished, the second fed on its new weights (π_prox of its groups scored under the kept starting weights). With
+    trainer.deterministic the groups are fed in task order, so each update holds the batch's trajectories: the same
+    training as after the batch, to float rounding."""
+    sets = ("rollout.mode=sync", "trainer.total_steps=4", "policy_optimization.advantage.group_size=2",
+            "learner.batch_size=16", "learner.mini_batch_size=8", "trainer.deterministic=true",
+            "learner.off_policy_correction.method=double_sided_importance_sampling")
+    over_rows, over_samples, over_w = run(setup, "overlap2", *sets)
+    rows, samples, w = run(setup, "after2", *sets, "learner.overlap_rollout=false")
+    assert samples == over_samples
+    for a, b in zip(over_rows[1:], rows[1:]):
+        for key in ("reward/mean", "optim/loss", "optim/grad_norm", "optim/entropy", "optim/is_ratio_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        assert b["perf/learner_overlap_s"] == 0.0
+    assert sum(r["perf/learner_overlap_s"] for r in over_rows[1:]) > 0
+    assert all(torch.allclose(over_w[k], w[k], atol=1e-5) for k in w)
+    one_rows, _, one_w = run(setup, "one_update", *sets[:4], "learner.mini_batch_size=16", *sets[5:])
+    assert not all(torch.allclose(one_w[k], w[k], atol=1e-4) for k in w)  # two updates a step train otherwise
+
 SLOW_TOOLS = """
 environment:
   action_space:

@@ -326,10 +326,11 @@ class LearnerConfig(Section):
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
     """Off-policy correction."""
     overlap_rollout: bool = True
-    """Sync mode, when a step is one update on fresh weights (mini_batch_size = batch_size, update_frequency 1):
-    train each group as soon as it finishes, in a thread beside the rollout, instead of after the whole batch
-    (the same update, to float rounding; ``tether.pipeline.streaming``). ``perf/learner_overlap_s`` says how much
-    of the learner's time it moved under the rollout."""
+    """Sync mode, when a step is one pass (update_frequency 1) whose pi_prox is each update's own first forward:
+    train each group as soon as it finishes, in a thread beside the rollout, instead of after the whole batch;
+    with several updates a step (mini_batch_size < batch_size) each is applied as soon as it holds mini_batch_size
+    trajectories (the same updates, to float rounding; ``tether.pipeline.streaming``). ``perf/learner_overlap_s``
+    says how much of the learner's time it moved under the rollout."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> LearnerConfig:

@@ -132,11 +132,22 @@ class TrainBatch:
         if not 0 < n <= m:
             raise ValueError(f"cannot split a batch of {m} trajectories into {n} non-empty parts")
         size, extra = divmod(m, n)
-        traj_bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        return self._parts([i * size + min(i, extra) for i in range(n + 1)])
+
+    def chunks(self, size: int) -> list[TrainBatch]:
+        """Consecutive parts of ``size`` trajectories, in order, the last one the remainder (a trajectory's segments
+        stay together): the mini-batches of a step, cut where an update fed as the data arrives cuts them."""
+        m = self.num_trajectories
+        if size < 1:
+            raise ValueError(f"cannot cut a batch into parts of {size} trajectories")
+        return self._parts([*range(0, m, size), m])
+
+    def _parts(self, traj_bounds: list[int]) -> list[TrainBatch]:
+        """The parts between consecutive trajectory bounds (0 first, ``num_trajectories`` last)."""
         if self.traj_index is None:
             bounds = traj_bounds
         else:  # row where each trajectory starts, and the end
             changes = torch.nonzero(self.traj_index[1:] != self.traj_index[:-1]).flatten() + 1
             starts = [0, *changes.tolist(), len(self)]
             bounds = [starts[t] for t in traj_bounds]
-        return [self.slice(bounds[i], bounds[i + 1]) for i in range(n)]
+        return [self.slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]

@@ -35,7 +35,7 @@ groups of the demo (8 steps of its config, tiny-sft model): never more (0 of 201
 little less there — 0 % streamed (a group's 8 rows differ by < 20 %: the ~320-token prompt dominates, equal counts
 already pad equally), 0.3–0.8 % at 2, 4, 8 ranks in ``train_step``'s micro-batches of 16, against 4.5–10 % above an
 even split of the real tokens; 2.7 % on the test's trajectories of 1–4 turns (``perf/rank_imbalance`` 1.070 →
-1.041). Kept for lengths that spread more than the demo's; π_prox scoring (``Learner._score``) shares consecutive rows.
+1.041). Kept for lengths that spread more than the demo's; π_prox scoring (``Learner.score``) shares consecutive rows.
 
 Metrics. The learner's are equal on every rank already (per-token metrics all-reduced, the loss summed, the global
 grad norm, ``optim/trained_tokens`` summed over the ranks' shares); the group adds one, recorded on rank 0 only
@@ -339,7 +339,7 @@ class LearnerGroup:
 
     def begin_step(self) -> StreamedStep:
         if not self.streams:
-            raise RuntimeError(f"this learner's step is not one update on fresh weights ({self.describe()})")
+            raise RuntimeError(f"this learner's step cannot be fed as its data arrives ({self.describe()})")
         self._call("begin_step")
         return StreamedStep(self)
 

@@ -4,7 +4,8 @@ Batch vocabulary (``learner`` section; every unit is *trajectories*):
 
     batch_size                   trajectories per trainer step (``train_step`` takes any number: the degenerate-group
                                  filter can drop groups and adaptive allocation varies group sizes; the number of
-                                 updates is then ceil(n / mini_batch_size), in near-equal mini-batches)
+                                 updates is then ceil(n / mini_batch_size): mini-batches of mini_batch_size in
+                                 order, the last one the remainder, as verl cuts them)
     mini_batch_size              trajectories per optimizer update → batch_size / mini_batch_size updates per pass
     gradient_accumulation_steps  micro-batches per mini-batch → micro-batch = mini_batch_size / accumulation
     update_frequency             passes (PPO epochs) over the batch per trainer step; 1 = each trajectory is
@@ -34,8 +35,9 @@ go through the layers once, as a batch of one whose keys and values the rows att
 where every ``agg`` divides by the *whole mini-batch's* denominator (``tether.algo.loss_denominator`` summed over
 its micro-batches), so micro-batch × accumulation gives the same gradient as one pass over the mini-batch: the
 micro-batch losses are back-propagated undivided and the summed gradient is divided once (``accumulate.py``). A
-step of one update on fresh weights can also be fed group by group as the rollout delivers them (``begin_step``,
-``Accumulation.add_trajectories``, ``finish_step``; ``tether.pipeline.streaming``).
+step of one pass can also be fed group by group as the rollout delivers them (``begin_step``, ``add_trajectories``,
+``finish_step``; ``tether.pipeline.streaming``): one ``Accumulation``, or ``StreamedUpdates`` applying an update as
+each mini-batch fills.
 Then clip, and step AdamW unless something was non-finite (``optim.PolicyOptimizer``).
 
 Mini-batches are taken in the order the trajectories were given (no shuffling), so a group stays together
@@ -92,6 +94,7 @@ from tether.learner.logits import forward
 from tether.learner.objective import Objective
 from tether.learner.optim import PolicyOptimizer
 from tether.learner.ranks import Ranks, full_tensor
+from tether.learner.updates import StreamedUpdates
 from tether.metrics import record_metric
 from tether.types import Trajectory
 
@@ -236,14 +239,14 @@ class Learner:
         batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
         if self.distill is not None:  # the teacher's scores as batch tensors, before any split
             self.distill.attach(batch, trajectories)
-        minis = batch.split(-(-batch.num_trajectories // self.mini_batch_size))  # rows = segments; split by trajectory
+        minis = batch.chunks(self.mini_batch_size)  # rows = segments; cut between trajectories, the last the remainder
         # π_prox of the first mini-batch is its own first forward (the weights have not moved yet); only the
         # others, when there are any, need a scoring pass before the first update.
         fresh_first = self.objective.needs_prox and self._prox_is_own_forward
         if self.objective.needs_prox:
             with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
-                batch.prox_logp = self._score(batch, device, skip=len(minis[0]) if fresh_first else 0)
-            minis = batch.split(len(minis))  # the mini-batches again, now holding π_prox
+                batch.prox_logp = self.score(batch, device, skip=len(minis[0]) if fresh_first else 0)
+            minis = batch.chunks(self.mini_batch_size)  # the mini-batches again, now holding π_prox
         acc: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> [(value, weight)]
         kl_coef = self.kl_coef
         self.model.train()
@@ -261,11 +264,16 @@ class Learner:
 
     @property
     def streams(self) -> bool:
-        """Whether a step can be trained as its groups arrive (``begin_step``): it makes one optimizer update on
-        fresh weights (one pass, a mini-batch holding the whole batch), so every group's π_prox is its own forward,
-        on every rank alike (``tether.learner.group`` feeds every rank the same groups)."""
-        fresh = not self.objective.needs_prox or self._prox_is_own_forward
-        return self.mini_batch_size >= self.batch_size and fresh and self.epochs == 1
+        """Whether a step can be trained as its groups arrive (``begin_step``): one pass (``update_frequency`` 1)
+        whose first forward is π_prox where the objective needs one (``_prox_is_own_forward``). A step of several
+        updates (``mini_batch_size`` < ``batch_size``) with such an objective also keeps the step's starting weights
+        for the groups that arrive after its first update (``StreamedUpdates``): in one process whose model is not
+        sharded. Every rank is fed the same groups (``tether.learner.group``)."""
+        needs_prox = self.objective.needs_prox
+        if self.epochs != 1 or (needs_prox and not self._prox_is_own_forward):
+            return False
+        one_update = self.mini_batch_size >= self.batch_size
+        return one_update or not needs_prox or (not self.ranks.sharded and not sharded(self.model))
 
     @property
     def _prox_is_own_forward(self) -> bool:
@@ -273,21 +281,28 @@ class Learner:
         current weights are the step's start (not DetachActorWorker, which scores under the last sync's)."""
         return self.prox_from_forward and self.epochs == 1 and self.worker.name == "ActorWorker"
 
-    def begin_step(self) -> Accumulation:
-        """A step's single update, to be fed with ``add_trajectories`` (group by group, as the groups arrive) and
-        closed by ``finish_step``; the same update ``train_step`` makes (``streams`` says when it may be used)."""
+    def begin_step(self) -> Accumulation | StreamedUpdates:
+        """A step's updates, to be fed with ``add_trajectories`` (group by group, as the groups arrive) and closed by
+        ``finish_step``; the updates ``train_step`` makes (``streams`` says when this may be used): one
+        ``Accumulation`` when the step is one update, else ``StreamedUpdates`` (an update applied as each
+        mini-batch fills)."""
         if not self.streams:
-            raise RuntimeError(f"this learner's step is not one update on fresh weights ({self.describe()})")
+            raise RuntimeError(f"this learner's step cannot be fed as its data arrives ({self.describe()})")
+        if self.mini_batch_size < self.batch_size:
+            return StreamedUpdates(self)
         return Accumulation(self, prox_from_forward=self.objective.needs_prox, at_start=True)
 
-    def finish_step(self, update: Accumulation) -> dict[str, float]:
-        """Apply the step's update; returns and records the metrics, as ``train_step`` does."""
+    def finish_step(self, update: Accumulation | StreamedUpdates) -> dict[str, float]:
+        """Apply the step's (last) update; returns and records the metrics, as ``train_step`` does."""
         if not update.trajectories:
             raise ValueError("finish_step: no trajectories were added")
         t0, kl_coef = time.perf_counter(), self.kl_coef
-        acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        kl = update.apply(acc)
-        stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)  # as train_step counts
+        if isinstance(update, StreamedUpdates):
+            acc, stopped = update.close()
+        else:
+            acc = defaultdict(list)
+            kl = update.apply(acc)
+            stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)  # as train_step
         return self._finish(acc, kl_coef, stopped, update.trajectories, update.forwarded_tokens,
                             update.busy_s + time.perf_counter() - t0)
 
@@ -312,7 +327,7 @@ class Learner:
             record_metric(name, value, reduce="last" if name in _LAST else "mean")
         return metrics
 
-    def _score(self, batch: TrainBatch, device: torch.device, skip: int = 0) -> torch.Tensor:
+    def score(self, batch: TrainBatch, device: torch.device, skip: int = 0) -> torch.Tensor:
         """log π(token t) under the current weights, [B, T] laid out as ``old_logp`` (0 where the mask is 0), for
         rows ``skip:`` (the first ``skip`` rows stay 0: their π_prox comes from their first update's forward)."""
         out = torch.zeros_like(batch.old_logp)

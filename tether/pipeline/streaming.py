@@ -1,13 +1,16 @@
 """A step's learner update, fed group by group — in sync mode while the rollout still generates the rest.
 
-When the step is one optimizer update on fresh weights (``Learner.streams``: the demo's case), the update is a sum
-over the step's groups (``tether.learner.accumulate``), so a finished group can be forwarded and back-propagated
-at once. In sync mode that happens in a worker thread while the engine generates the other groups and runs the
+When the step is one pass whose π_prox the learner can have as the groups arrive (``Learner.streams``: the demo's
+case), an update is a sum over its groups (``tether.learner.accumulate``), so a finished group can be forwarded and
+back-propagated at once; with several updates a step (``mini_batch_size`` < ``batch_size``) each is applied as soon as
+it holds ``mini_batch_size`` trajectories, and the next one is fed on the new weights (``tether.learner.updates``). In sync mode that happens in a worker thread while the engine generates the other groups and runs the
 degenerate-group filter's resample attempts (``learner.overlap_rollout``): the learner's work moves under the
 rollout's tail instead of following it. When the rollout is done the trainer takes over the groups not yet trained
 (with every torch thread), then applies the update. A dropped group is never trained; nothing else changes what
-is trained: the step's groups, their advantages and the single update are those of ``Learner.train_step`` (to float
-rounding: the gradient is summed in another order).
+is trained: the step's groups, their advantages and the updates are those of ``Learner.train_step`` (to float
+rounding: the gradient is summed in another order; with several updates a mini-batch holds the trajectories in the
+order they were fed, so the groups that make each update are the batch's with ``trainer.deterministic`` and those that
+finished first otherwise).
 
 Advantages. Each group's advantages are computed once (``advantages``, the one function for a group and for a
 whole batch): as it is trained when the step streams, all together when it does not (``StepUpdate.advantages``).
@@ -81,7 +84,7 @@ def advantages(groups: Sequence[Group], normalization: Normalization,
 
 
 def streams(learner: Learner | LearnerGroup, normalization: Normalization) -> bool:
-    """Whether a step is fed group by group: one update on fresh weights (``Learner.streams``) and each group's
+    """Whether a step is fed group by group: the learner can be (``Learner.streams``) and each group's
     advantages its own (``normalization``, ``policy_optimization.advantage``'s: not over the batch)."""
     return learner.streams and normalization != "batch"
 
@@ -116,8 +119,9 @@ class StepUpdate:
     """One step's learner update, a context manager. ``offer`` (from the rollout's event loop) hands it a finished
     group; ``train`` (after the batch) trains what is left and applies the update.
 
-    A learner whose step is several updates (or advantages normalised over the batch) is not fed group by group:
-    ``train`` then calls ``Learner.train_step`` on the whole batch."""
+    A learner whose step is several passes, or needs π_prox scored under weights it does not hold (or advantages
+    normalised over the batch), is not fed group by group: ``train`` then calls ``Learner.train_step`` on the whole
+    batch."""
 
     def __init__(self, learner: Learner | LearnerGroup, advantage: AdvantageConfig, *, overlap_rollout: bool, mode: str,
                  ordered: bool, engine_threads: Callable[[int], object] | None = None):

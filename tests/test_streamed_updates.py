@@ -1,0 +1,114 @@
+"""``StreamedUpdates``: a step of several optimizer updates fed as its data arrives makes ``Learner.train_step``'s
+updates — the mini-batches cut at ``mini_batch_size`` in order (the last the remainder), π_prox of the later ones
+the step's starting weights, the max-KL guard stopping the step alike.
+
+The demo's learner config on the tiny model, two steps of 8 groups × 8 trajectories (one group dropped in the
+second: 56 trajectories, so the last update holds the remainder), fed in chunks that straddle the mini-batch cuts.
+Tolerance: the gradient summed in another order (float32), as ``test_learner_group``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_learner
+from test_learner_group import DEMO, advantages, batch, behave
+from tether.config import load_config
+from tether.learner import load_model_and_tokenizer
+from tether.learner.updates import StreamedUpdates
+
+CHUNKS = [5, 11, 3, 13, 8, 1, 15, 8]  # trajectories per add_trajectories call (64 in all; cuts straddled)
+
+
+def _learner(tiny, *overrides):
+    cfg = load_config([DEMO], ["model.preset=null", f"model.path={tiny}", *overrides])
+    model, _ = load_model_and_tokenizer(tiny)
+    torch.manual_seed(0)
+    return make_learner(model, cfg)
+
+
+def _steps(tiny, streamed, *overrides):
+    """Two steps of ``overrides``' learner, streamed in ``CHUNKS`` or by ``train_step``: metrics and weights."""
+    learner = _learner(tiny, *overrides)
+    out = []
+    for step in (1, 2):
+        groups = batch(step, learner.model.config.vocab_size)
+        behave(learner.model, groups, step)
+        groups = groups if step == 1 else groups[:-1]  # step 2: a group dropped, 56 trajectories
+        trajs = [t for g in groups for t in g]
+        adv = torch.cat([advantages(g) for g in groups])
+        if not streamed:
+            out.append(learner.train_step(trajs, adv))
+            continue
+        update = learner.begin_step()
+        assert isinstance(update, StreamedUpdates)
+        i = 0
+        for n in CHUNKS:
+            update.add_trajectories(trajs[i:i + n], adv[i:i + n])
+            i += n
+        assert i >= len(trajs)
+        out.append(learner.finish_step(update))
+    weights = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    return out, weights, learner
+
+
+def _same(a, b):
+    (ma, wa, _), (mb, wb, _) = a, b
+    for x, y in zip(ma, mb):
+        for key in ("optim/loss", "optim/grad_norm", "optim/entropy", "optim/is_ratio_mean", "optim/kl_divergence",
+                    "optim/trained_tokens", "optim/kl_guard_stops"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+
+
+@pytest.mark.parametrize("correction", ["double_sided_importance_sampling", "none"])
+def test_streamed_updates_are_train_steps(tiny_model, correction):
+    """4 updates a step (mini 16 of 64), with the demo's off-policy correction (π_prox of updates 2-4 scored under
+    the kept starting weights) and without one (π_prox = π_behav: nothing kept)."""
+    sets = ["learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",
+            f"learner.off_policy_correction.method={correction}"]
+    streamed, stepped = _steps(tiny_model, True, *sets), _steps(tiny_model, False, *sets)
+    _same(streamed, stepped)
+    assert streamed[2].streams
+    # the weights moved 4 times a step: not the one-update step's weights
+    _, one, _ = _steps(tiny_model, False, "learner.gradient_accumulation_steps=2",
+                       f"learner.off_policy_correction.method={correction}")
+    assert max(float((one[k] - streamed[1][k]).abs().max()) for k in one) > 1e-4
+
+
+def test_the_max_kl_guard_stops_a_streamed_step_as_it_stops_train_step(tiny_model):
+    sets = ["learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",
+            "policy_optimization.kl_control.max_kl=1e-9", "policy_optimization.kl_control.target_kl=1e-10"]  # the first update's KL is over it: 1 update a step
+    streamed, stepped = _steps(tiny_model, True, *sets), _steps(tiny_model, False, *sets)
+    _same(streamed, stepped)
+    assert [m["optim/kl_guard_stops"] for m in streamed[0]] == [1.0, 2.0]
+    unguarded = _steps(tiny_model, False, "learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2")
+    assert max(float((unguarded[1][k] - streamed[1][k]).abs().max()) for k in unguarded[1]) > 1e-4
+
+
+def test_which_learners_stream(tiny_model):
+    demo = _learner(tiny_model)
+    assert demo.streams and demo.mini_batch_size == demo.batch_size  # one update
+    assert _learner(tiny_model, "learner.mini_batch_size=32").streams  # two, the starting weights kept
+    assert not _learner(tiny_model, "learner.mini_batch_size=32", "learner.update_frequency=2").streams
+    # DetachActorWorker scores π_prox under the last sync's weights, which a step's updates do not hold
+    assert not _learner(tiny_model, "actor_worker.class=DetachActorWorker").streams
+
+
+def test_train_step_cuts_mini_batches_at_mini_batch_size(tiny_model):
+    """56 trajectories, mini 16: updates of 16, 16, 16 and 8 (as verl cuts them), not four near-equal ones of 14."""
+    learner = _learner(tiny_model, "learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2")
+    groups = batch(2, learner.model.config.vocab_size)[:-1]
+    behave(learner.model, groups, 2)
+    sizes = []
+    real = learner._update
+
+    def update(mini, *a, **kw):
+        sizes.append(mini.num_trajectories)
+        return real(mini, *a, **kw)
+
+    learner._update = update
+    learner.train_step([t for g in groups for t in g], torch.cat([advantages(g) for g in groups]))
+    assert sizes == [16, 16, 16, 8]
+

@@ -1,0 +1,126 @@
+"""A step of several optimizer updates, fed as its data arrives: ``StreamedUpdates``.
+
+``Learner.train_step`` cuts a step's trajectories into mini-batches of ``mini_batch_size`` in order (the last one
+the remainder: ``TrainBatch.chunks``) and makes one update per mini-batch. The same cut can be made as the groups
+arrive: trajectories fill the open update (an ``Accumulation``); when it holds ``mini_batch_size`` the update is
+applied at once and the next one opens on the new weights. So in sync mode with ``learner.overlap_rollout`` the
+first updates of a step run while the rollout still generates its last groups (``tether.pipeline.streaming``), and
+only the last, partial one waits for the rollout's end. Fed in the batch's order, the updates are those of
+``train_step`` (to float rounding).
+
+π_prox, the policy at the step's start, for an objective with an off-policy correction: the first update's is each
+micro-batch's own forward (the weights have not moved). A trajectory that arrives after the first update is scored
+under the step's starting weights, which are kept (one copy of the trained parameters: the adapter only under
+``model.lora``) from just before the first update is applied until the step ends; ``train_step`` scores the same
+rows under the same weights before its first update. Without a correction (π_prox = π_behav) nothing is kept.
+
+The max-KL guard acts as in ``train_step``: once an update measures a KL to the reference above
+``kl_control.max_kl``, the step's later trajectories are received but not trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tether.algo.kl_control import exceeds_max_kl
+from tether.learner.accumulate import Accumulation, Pairs
+from tether.learner.batch import TrainBatch
+from tether.types import Trajectory
+
+if TYPE_CHECKING:
+    from tether.learner.learner import Learner
+
+
+class StreamedUpdates:
+    """A step's updates of ``mini_batch_size`` trajectories each, applied as each fills; ``close`` applies the
+    last (partial) one. Calls must not overlap (one thread at a time)."""
+
+    def __init__(self, learner: Learner):
+        self.learner = learner
+        self.size = learner.mini_batch_size
+        self.needs_prox = learner.objective.needs_prox
+        self.acc: Pairs = defaultdict(list)  # the step's metrics, every update's
+        self.updates = 0  # updates applied
+        self.stopped = False  # the max-KL guard stopped the step
+        self.trajectories = 0  # received (trained, or not because the guard stopped the step)
+        self.forwarded_tokens = 0
+        self.busy_s = 0.0
+        self._start: dict[str, torch.Tensor] | None = None  # the step's starting weights, once an update moved them
+        self._open: Accumulation | None = self._new()
+
+    def _new(self) -> Accumulation:
+        first = self.updates == 0
+        return Accumulation(self.learner, prox_from_forward=first and self.needs_prox, at_start=first)
+
+    def add_trajectories(self, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor) -> None:
+        """Forward and back-propagate ``trajectories`` (one advantage each) now, applying every update they fill."""
+        t0 = time.perf_counter()
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)  # [n]
+        if adv.shape[0] != len(trajectories):
+            raise ValueError(f"{len(trajectories)} trajectories but {adv.shape[0]} advantages")
+        i = 0
+        while i < len(trajectories) and self._open is not None:
+            j = min(len(trajectories), i + self.size - self._open.trajectories)  # what fits in the open update
+            self._add(trajectories[i:j], adv[i:j])
+            i = j
+            if self._open.trajectories >= self.size:
+                self._apply(more=True)
+        self.trajectories += len(trajectories)
+        self.busy_s += time.perf_counter() - t0
+
+    def _add(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
+        assert self._open is not None
+        if self.updates == 0 or not self.needs_prox:  # π_prox is the first update's own forward, or not needed
+            self._open.add_trajectories(trajectories, advantages)
+            return
+        learner = self.learner
+        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=learner.pad_id)
+        if learner.distill is not None:
+            learner.distill.attach(batch, trajectories)
+        with self._starting_weights():
+            batch.prox_logp = learner.score(batch, self._open.device)
+        self._open.add(batch)
+
+    def _apply(self, *, more: bool) -> None:
+        """Apply the open update; ``more``: more trajectories may follow (keep the starting weights first)."""
+        update, self._open = self._open, None
+        assert update is not None
+        if more and self.updates == 0 and self.needs_prox:
+            self._start = {name: p.detach().clone() for name, p in self._trained()}
+        kl = update.apply(self.acc)
+        self.forwarded_tokens += update.forwarded_tokens
+        self.updates += 1
+        max_kl = self.learner.max_kl
+        self.stopped = max_kl is not None and kl is not None and exceeds_max_kl(kl, max_kl)
+        if more and not self.stopped:
+            self._open = self._new()
+
+    def close(self) -> tuple[Pairs, bool]:
+        """Apply the last update (if it holds anything); the step's metrics and whether the guard stopped it."""
+        if self._open is not None and self._open.trajectories:
+            self._apply(more=False)
+        self._open, self._start = None, None
+        return self.acc, self.stopped
+
+    def _trained(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return ((name, p) for name, p in self.learner.model.named_parameters() if p.requires_grad)
+
+    @contextlib.contextmanager
+    def _starting_weights(self) -> Iterator[None]:
+        """Inside: the model holds the step's starting weights (its parameters' data swapped, nothing copied)."""
+        assert self._start is not None
+        params = dict(self._trained())
+        held = {name: params[name].data for name in self._start}
+        for name, start in self._start.items():
+            params[name].data = start
+        try:
+            yield
+        finally:
+            for name, current in held.items():
+                params[name].data = current
