@@ -35,11 +35,12 @@ DEMO = REPO / "examples" / "customer_service" / "config.yaml"
 # (case, balanced shares, streamed update); the checkpoints: "streamed" saves after steps 2 and 4, "resumed"
 # loads step 2's and trains steps 3 and 4
 CASES = [("train_step", True, False), ("consecutive", False, False), ("streamed", True, True),
-         ("resumed", True, True)]
+         ("resumed", True, True), ("minis", True, True)]
+MINI = {"minis": 32}  # the case's learner.mini_batch_size (else the demo's 64): 2 updates a step, streamed
 
 
-def demo_config(tiny: str) -> RunConfig:
-    return load_config([DEMO], ["model.preset=null", f"model.path={tiny}"])
+def demo_config(tiny: str, mini: int = 64) -> RunConfig:
+    return load_config([DEMO], ["model.preset=null", f"model.path={tiny}", f"learner.mini_batch_size={mini}"])
 
 
 def batch(step: int, vocab: int) -> list[list[Trajectory]]:
@@ -79,9 +80,11 @@ def advantages(group: list[Trajectory]) -> torch.Tensor:
     return (r - r.mean()) / (r.std() + 1e-6)
 
 
-def run_case(group: LearnerGroup, case: str, batches: list[list[list[Trajectory]]], out: Path) -> dict[str, Any]:
-    """The case's steps through ``group`` as the pipeline calls it; the metrics of each step and the final weights."""
-    streamed = dict((c, s) for c, _, s in CASES)[case]
+def run_case(group: LearnerGroup, case: str, batches: list[list[list[Trajectory]]], out: Path,
+             streamed: bool | None = None) -> dict[str, Any]:
+    """The case's steps through ``group`` as the pipeline calls it (``streamed``: None = the case's way); the metrics
+    of each step and the final weights."""
+    streamed = dict((c, s) for c, _, s in CASES)[case] if streamed is None else streamed
     first = 1
     if case == "resumed":
         extra = group.load_checkpoint(out / "streamed_step_2")
@@ -114,10 +117,10 @@ def _model(tiny: str) -> Any:
     return model
 
 
-def _sharded(tiny: str, ranks: Ranks) -> Any:
+def _sharded(tiny: str, ranks: Ranks, mini: int = 64) -> Any:
     from tether.learner.fsdp import sharded_learner
 
-    return sharded_learner(_model(tiny), ranks, **learner_args(demo_config(tiny)))
+    return sharded_learner(_model(tiny), ranks, **learner_args(demo_config(tiny, mini)))
 
 
 def _follower(ranks: Ranks, tiny: str, hang: bool) -> None:
@@ -128,8 +131,8 @@ def _follower(ranks: Ranks, tiny: str, hang: bool) -> None:
         learner.optimizer.update = lambda **kw: time.sleep(120)  # type: ignore[method-assign]
         follow(learner)
         return
-    for _ in CASES:
-        follow(_sharded(tiny, ranks))
+    for case, _, _ in CASES:
+        follow(_sharded(tiny, ranks, MINI.get(case, 64)))
     learner = _sharded(tiny, ranks)
     update, calls = learner.optimizer.update, []
 
@@ -164,7 +167,8 @@ def two_ranks(tiny_model, batches, tmp_path_factory) -> dict[str, Any]:
     try:
         for case, balanced, _ in CASES:
             t0 = time.perf_counter()
-            with LearnerGroup(_sharded(tiny_model, spawned.ranks), balanced=balanced, spawned=spawned) as group:
+            learner = _sharded(tiny_model, spawned.ranks, MINI.get(case, 64))
+            with LearnerGroup(learner, balanced=balanced, spawned=spawned) as group:
                 results[case] = run_case(group, case, batches, out)
             results[case]["seconds"] = time.perf_counter() - t0
         group = LearnerGroup(_sharded(tiny_model, spawned.ranks), spawned=spawned)
@@ -190,6 +194,10 @@ def one_rank(tiny_model, batches, tmp_path_factory) -> dict[str, Any]:
         group = LearnerGroup(make_learner(_model(tiny_model), demo_config(tiny_model)))
         assert group.ranks.world == 1 and group.streams
         results[case] = run_case(group, case, batches, out)
+    # 2 updates a step, by train_step in one process: what "minis" streams on 2 ranks (π_prox of the groups after
+    # the first update under the kept starting weights, each rank's shards)
+    group = LearnerGroup(make_learner(_model(tiny_model), demo_config(tiny_model, MINI["minis"])))
+    results["minis"] = run_case(group, "minis", batches, out, streamed=False)
     return results
 
 
@@ -198,7 +206,7 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("case", ["train_step", "consecutive", "streamed"])
+@pytest.mark.parametrize("case", ["train_step", "consecutive", "streamed", "minis"])
 def test_two_ranks_train_the_steps_of_one(two_ranks, one_rank, tiny_model, case):
     ref = "train_step" if case == "consecutive" else case
     one, two = one_rank[ref], two_ranks[case]

@@ -44,6 +44,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def trained_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's tensor) of every trained parameter of ``model``, FSDP2 units resharded first."""
+    for module in model.modules():  # FSDP2 keeps the root's weights gathered after a forward: shard them
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    for name, p in model.named_parameters():  # tied parameters once
+        if p.requires_grad:  # frozen ones never move (model.lora: the base): only the trained are kept
+            yield name, _local(p)
+
+
 class ActorWorker:
     """The default worker: π_prox is the current weights; nothing is kept."""
 
@@ -72,12 +82,7 @@ class DetachActorWorker(ActorWorker):
     # ------------------------------------------------------------------------------------------ slots
 
     def _params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for module in self.model.modules():  # FSDP2 keeps the root's weights gathered after a forward: shard them
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        for name, p in self.model.named_parameters():  # tied parameters once
-            if p.requires_grad:  # frozen ones never move (model.lora: the base): only the trained are kept
-                yield name, _local(p)
+        return trained_params(self.model)
 
     def save(self, slot: str) -> float:
         """Copy the parameters (this rank's shards) into CPU memory as ``slot``; returns the seconds it took."""

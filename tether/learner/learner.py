@@ -267,13 +267,9 @@ class Learner:
         """Whether a step can be trained as its groups arrive (``begin_step``): one pass (``update_frequency`` 1)
         whose first forward is π_prox where the objective needs one (``_prox_is_own_forward``). A step of several
         updates (``mini_batch_size`` < ``batch_size``) with such an objective also keeps the step's starting weights
-        for the groups that arrive after its first update (``StreamedUpdates``): in one process whose model is not
-        sharded. Every rank is fed the same groups (``tether.learner.group``)."""
-        needs_prox = self.objective.needs_prox
-        if self.epochs != 1 or (needs_prox and not self._prox_is_own_forward):
-            return False
-        one_update = self.mini_batch_size >= self.batch_size
-        return one_update or not needs_prox or (not self.ranks.sharded and not sharded(self.model))
+        for the groups that arrive after its first update (``StreamedUpdates``). Every rank is fed the same groups
+        (``tether.learner.group``)."""
+        return self.epochs == 1 and (not self.objective.needs_prox or self._prox_is_own_forward)
 
     @property
     def _prox_is_own_forward(self) -> bool:

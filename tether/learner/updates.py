@@ -10,8 +10,8 @@ only the last, partial one waits for the rollout's end. Fed in the batch's order
 
 π_prox, the policy at the step's start, for an objective with an off-policy correction: the first update's is each
 micro-batch's own forward (the weights have not moved). A trajectory that arrives after the first update is scored
-under the step's starting weights, which are kept (one copy of the trained parameters: the adapter only under
-``model.lora``) from just before the first update is applied until the step ends; ``train_step`` scores the same
+under the step's starting weights, which are kept (one copy of the trained parameters, this rank's shards: the
+adapter only under ``model.lora``) from just before the first update is applied until the step ends; ``train_step`` scores the same
 rows under the same weights before its first update. Without a correction (π_prox = π_behav) nothing is kept.
 
 The max-KL guard acts as in ``train_step``: once an update measures a KL to the reference above
@@ -31,6 +31,7 @@ import torch
 from tether.algo.kl_control import exceeds_max_kl
 from tether.learner.accumulate import Accumulation, Pairs
 from tether.learner.batch import TrainBatch
+from tether.learner.detach import trained_params
 from tether.types import Trajectory
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ class StreamedUpdates:
         update, self._open = self._open, None
         assert update is not None
         if more and self.updates == 0 and self.needs_prox:
-            self._start = {name: p.detach().clone() for name, p in self._trained()}
+            with torch.no_grad():
+                self._start = {name: p.clone() for name, p in trained_params(self.learner.model)}
         kl = update.apply(self.acc)
         self.forwarded_tokens += update.forwarded_tokens
         self.updates += 1
@@ -108,19 +110,20 @@ class StreamedUpdates:
         self._open, self._start = None, None
         return self.acc, self.stopped
 
-    def _trained(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return ((name, p) for name, p in self.learner.model.named_parameters() if p.requires_grad)
-
     @contextlib.contextmanager
     def _starting_weights(self) -> Iterator[None]:
-        """Inside: the model holds the step's starting weights (its parameters' data swapped, nothing copied)."""
+        """Inside: the model holds the step's starting weights (copied in, and the current ones copied back after:
+        in place, so the optimizer and FSDP keep their tensors)."""
         assert self._start is not None
-        params = dict(self._trained())
-        held = {name: params[name].data for name in self._start}
-        for name, start in self._start.items():
-            params[name].data = start
+        with torch.no_grad():
+            params = dict(trained_params(self.learner.model))
+            held = {name: params[name].clone() for name in self._start}
+            for name, start in self._start.items():
+                params[name].copy_(start)
         try:
             yield
         finally:
-            for name, current in held.items():
-                params[name].data = current
+            with torch.no_grad():
+                params = dict(trained_params(self.learner.model))
+                for name, current in held.items():
+                    params[name].copy_(current)
