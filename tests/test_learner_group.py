@@ -1,9 +1,10 @@
 """``LearnerGroup``: 2 trainer ranks (gloo; rank 1 a spawned process running ``follow``) train what 1 trains, through
-the calls the pipeline makes — the demo's learner config and batch shape (8 groups × 8 trajectories, one update of
-4 micro-batches), 4 steps, each followed by the weight push (``state_dict_for_engine``, ``worker.on_sync``), as
-``Learner.train_step`` (shares balanced by padded tokens, and consecutive) and as the streamed update (``begin_step``,
-a group at a time, ``finish_step``: ``learner.overlap_rollout``, the demo's path), then ``skip_step`` and
-``unsharded_model``; a checkpoint saved and resumed by the group; a rank that raises, and one that hangs.
+the calls the pipeline makes — the demo's learner config and batch shape (8 groups × 8 trajectories; one update of
+4 micro-batches, and in "minis" two updates of 4), 4 steps, each followed by the weight push
+(``state_dict_for_engine``, ``worker.on_sync``), as ``Learner.train_step`` (shares balanced by padded tokens, and
+consecutive) and as the streamed update (``begin_step``, a group at a time, ``finish_step``:
+``learner.overlap_rollout``, the demo's path), then ``skip_step`` and ``unsharded_model``; a checkpoint saved and
+resumed by the group; a rank that raises, and one that hangs.
 
 The reference is the same group calls on one process: a ``LearnerGroup`` of one plain ``Learner``. Tolerances:
 float32 summed in another order (each rank sums its share, then the shares are added): per-step loss, grad norm and
@@ -40,7 +41,8 @@ MINI = {"minis": 32}  # the case's learner.mini_batch_size (else the demo's 64):
 
 
 def demo_config(tiny: str, mini: int = 64) -> RunConfig:
-    return load_config([DEMO], ["model.preset=null", f"model.path={tiny}", f"learner.mini_batch_size={mini}"])
+    return load_config([DEMO], ["model.preset=null", f"model.path={tiny}", f"learner.mini_batch_size={mini}",
+                                "learner.gradient_accumulation_steps=4"])
 
 
 def batch(step: int, vocab: int) -> list[list[Trajectory]]:

@@ -163,8 +163,8 @@ def test_prox_from_the_first_forward_equals_a_scoring_pass(base_model, mini):
     fast = one_step(base_model, cfg, trajs)
     learner = make_learner(copy.deepcopy(base_model), cfg)
     learner.prox_from_forward = False
-    score = learner._score
-    learner._score = lambda batch, device, skip=0: scored.append(skip) or score(batch, device, skip)
+    score = learner.score
+    learner.score = lambda batch, device, skip=0: scored.append(skip) or score(batch, device, skip)
     metrics = learner.train_step(copy.deepcopy(trajs), advantages(8))
     slow = ({n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics)
     assert scored == [0]  # the slow path scored every row
@@ -178,8 +178,8 @@ def test_prox_pass_is_skipped_only_when_it_is_redundant(base_model):
     for label, kwargs in cases.items():
         learner = make_learner(copy.deepcopy(base_model),
                                make_cfg(correction="double_sided_importance_sampling", tis=True, **kwargs))
-        score, seen = learner._score, []
-        learner._score = lambda batch, device, skip=0, score=score, seen=seen: seen.append(skip) or score(
+        score, seen = learner.score, []
+        learner.score = lambda batch, device, skip=0, score=score, seen=seen: seen.append(skip) or score(
             batch, device, skip)
         learner.train_step(make_trajectories(8), advantages(8))
         skips[label] = seen

@@ -72,14 +72,15 @@ def test_streamed_updates_are_train_steps(tiny_model, correction):
     _same(streamed, stepped)
     assert streamed[2].streams
     # the weights moved 4 times a step: not the one-update step's weights
-    _, one, _ = _steps(tiny_model, False, "learner.gradient_accumulation_steps=2",
+    _, one, _ = _steps(tiny_model, False, "learner.mini_batch_size=64", "learner.gradient_accumulation_steps=2",
                        f"learner.off_policy_correction.method={correction}")
     assert max(float((one[k] - streamed[1][k]).abs().max()) for k in one) > 1e-4
 
 
 def test_the_max_kl_guard_stops_a_streamed_step_as_it_stops_train_step(tiny_model):
+    # the first update's KL is over max_kl: 1 update a step
     sets = ["learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",
-            "policy_optimization.kl_control.max_kl=1e-9", "policy_optimization.kl_control.target_kl=1e-10"]  # the first update's KL is over it: 1 update a step
+            "policy_optimization.kl_control.max_kl=1e-9", "policy_optimization.kl_control.target_kl=1e-10"]
     streamed, stepped = _steps(tiny_model, True, *sets), _steps(tiny_model, False, *sets)
     _same(streamed, stepped)
     assert [m["optim/kl_guard_stops"] for m in streamed[0]] == [1.0, 2.0]
@@ -88,9 +89,9 @@ def test_the_max_kl_guard_stops_a_streamed_step_as_it_stops_train_step(tiny_mode
 
 
 def test_which_learners_stream(tiny_model):
+    assert _learner(tiny_model, "learner.mini_batch_size=64").streams  # one update
     demo = _learner(tiny_model)
-    assert demo.streams and demo.mini_batch_size == demo.batch_size  # one update
-    assert _learner(tiny_model, "learner.mini_batch_size=32").streams  # two, the starting weights kept
+    assert demo.streams and demo.updates_per_pass == 4  # the demo's: the starting weights kept after the first
     assert not _learner(tiny_model, "learner.mini_batch_size=32", "learner.update_frequency=2").streams
     # DetachActorWorker scores π_prox under the last sync's weights, which a step's updates do not hold
     assert not _learner(tiny_model, "actor_worker.class=DetachActorWorker").streams

@@ -29,6 +29,11 @@ from tether.learner.checkpoint import latest_checkpoint
 DEMO = REPO / "examples" / "customer_service" / "config.yaml"
 STEPS = 4
 COMPARED = ("optim/loss", "optim/grad_norm", "optim/trained_tokens")
+# One update a step (the demo's 4 from 16-trajectory mini-batches are fed as the groups finish, so which groups make
+# each one follows timing; and Adam turns the rounding of a near-zero gradient coordinate into a step of ~lr, 4 times
+# a step: measured 1.4e-4 relative on the grad norm by step 4 in task order). 2 ranks streaming several updates a
+# step against 1 rank's train_step: tests/test_learner_group.py ("minis").
+ONE_UPDATE = ("learner.mini_batch_size=64", "learner.gradient_accumulation_steps=4")
 
 
 def demo_overrides(tiny: str, ranks: int, *extra: str) -> list[str]:
@@ -75,7 +80,7 @@ def one_rank(tiny_model, tmp_path_factory) -> Path:
     from tether.pipeline.trainer import train
 
     run_dir = tmp_path_factory.mktemp("pool") / "one"
-    train(load_config([DEMO], demo_overrides(tiny_model, 1)), run_dir, show_progress=False)
+    train(load_config([DEMO], demo_overrides(tiny_model, 1, *ONE_UPDATE)), run_dir, show_progress=False)
     return run_dir
 
 
@@ -94,7 +99,7 @@ def test_num_ranks_resolves_from_the_pool_and_needs_a_sharding_strategy():
 def test_two_trainer_ranks_train_what_one_trains(one_rank, tiny_model, tmp_path):
     from tether.pipeline.trainer import train
 
-    train(load_config([DEMO], demo_overrides(tiny_model, 2)), tmp_path / "two", show_progress=False)
+    train(load_config([DEMO], demo_overrides(tiny_model, 2, *ONE_UPDATE)), tmp_path / "two", show_progress=False)
     compare(one_rank, tmp_path / "two", "local, sync")
 
 
@@ -106,9 +111,10 @@ def test_two_trainer_ranks_under_ray_in_fully_async_train_what_one_trains(cluste
     from tether.pipeline.trainer import train
 
     mode = ("rollout.mode=fully_async", "rollout.scheduler.max_staleness=0")
-    train(load_config([DEMO], demo_overrides(tiny_model, 1, *mode)), tmp_path / "local", show_progress=False)
-    train_on_ray(load_config([DEMO], demo_overrides(tiny_model, 2, "backend=ray", *mode)), tmp_path / "ray",
-                 show_progress=False)
+    local = demo_overrides(tiny_model, 1, *mode, *ONE_UPDATE)
+    train(load_config([DEMO], local), tmp_path / "local", show_progress=False)
+    remote = demo_overrides(tiny_model, 2, "backend=ray", *mode, *ONE_UPDATE)
+    train_on_ray(load_config([DEMO], remote), tmp_path / "ray", show_progress=False)
     compare(tmp_path / "local", tmp_path / "ray", "ray, fully_async")
     rows = read_rows(tmp_path / "ray")
     assert any(r.get("perf/weight_sync_buckets", 0) >= 1 for r in rows[1:])  # the weights went to the rollouter

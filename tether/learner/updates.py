@@ -11,8 +11,9 @@ only the last, partial one waits for the rollout's end. Fed in the batch's order
 π_prox, the policy at the step's start, for an objective with an off-policy correction: the first update's is each
 micro-batch's own forward (the weights have not moved). A trajectory that arrives after the first update is scored
 under the step's starting weights, which are kept (one copy of the trained parameters, this rank's shards: the
-adapter only under ``model.lora``) from just before the first update is applied until the step ends; ``train_step`` scores the same
-rows under the same weights before its first update. Without a correction (π_prox = π_behav) nothing is kept.
+adapter only under ``model.lora``) from just before the first update is applied until the step ends;
+``train_step`` scores the same rows under the same weights before its first update. Without a correction
+(π_prox = π_behav) nothing is kept.
 
 The max-KL guard acts as in ``train_step``: once an update measures a KL to the reference above
 ``kl_control.max_kl``, the step's later trajectories are received but not trained.

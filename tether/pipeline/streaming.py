@@ -3,7 +3,8 @@
 When the step is one pass whose π_prox the learner can have as the groups arrive (``Learner.streams``: the demo's
 case), an update is a sum over its groups (``tether.learner.accumulate``), so a finished group can be forwarded and
 back-propagated at once; with several updates a step (``mini_batch_size`` < ``batch_size``) each is applied as soon as
-it holds ``mini_batch_size`` trajectories, and the next one is fed on the new weights (``tether.learner.updates``). In sync mode that happens in a worker thread while the engine generates the other groups and runs the
+it holds ``mini_batch_size`` trajectories, and the next one is fed on the new weights (``tether.learner.updates``).
+In sync mode that happens in a worker thread while the engine generates the other groups and runs the
 degenerate-group filter's resample attempts (``learner.overlap_rollout``): the learner's work moves under the
 rollout's tail instead of following it. When the rollout is done the trainer takes over the groups not yet trained
 (with every torch thread), then applies the update. A dropped group is never trained; nothing else changes what
