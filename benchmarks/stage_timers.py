@@ -249,8 +249,7 @@ def attach(timers: Timers, model_config: Any) -> None:
         timers.extra["learner real tokens"] += sum(lens)
 
     L = learner_mod.Learner
-    if hasattr(L, "_score"):
-        timers.wrap(L, "_score", "pi_prox scoring", m_score)
+    timers.wrap(L, "score", "pi_prox scoring", m_score)
     timers.wrap(accumulate_mod.Accumulation, "inputs", "forward", m_micro)
     timers.wrap(PolicyOptimizer, "update", "optimizer")
     timers.wrap(WeightSync, "push", "weight sync")

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import sys
+import threading
 
 import pytest
 import torch
@@ -160,19 +161,27 @@ def test_a_constrained_request_interrupted_by_fair_admission_resumes_in_its_gram
     small = SamplingParams(temperature=1.0, max_tokens=8, seed=99)
     prompt, other = tok.encode("Where is my order O-1234?"), tok.encode("Hello")
 
+    gate = threading.Event()  # the worker waits after the heavy group's first tokens until the small one is queued
+
     async def contended(engine):
         tasks = [asyncio.ensure_future(engine.generate(prompt, p, group="heavy")) for p in heavy]
-        while True:  # the heavy group holds every slot; the small request comes before any call can end
-            with engine._cv:  # (the worker starts no step meanwhile: at most the one under way ends)
-                if engine.stats["generated_tokens"] >= 8:
-                    small_task = asyncio.ensure_future(engine.generate(other, small, group="small"))
-                    await asyncio.sleep(0)  # it is queued (the lock is re-entrant: the same thread)
-                    break
+        while engine.stats["generated_tokens"] < 8:  # the heavy group holds every slot
             await asyncio.sleep(0.001)
+        small_task = asyncio.ensure_future(engine.generate(other, small, group="small"))
+        await asyncio.sleep(0)  # it is queued before any heavy call can end (on a loaded machine too)
+        gate.set()
         await small_task
         return await asyncio.gather(*tasks)
 
     with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:
+        step = engine._step
+
+        def gated_step():
+            step()
+            if engine.stats["generated_tokens"] >= 8:
+                assert gate.wait(30)
+
+        engine._step = gated_step
         got = asyncio.run(contended(engine))
         interruptions = engine.stats["fair_interruptions"]
     with LocalEngine(copy.deepcopy(model), max_batch=8) as engine:

@@ -42,7 +42,8 @@ MINI = {"minis": 32}  # the case's learner.mini_batch_size (else the demo's 64):
 
 def demo_config(tiny: str, mini: int = 64) -> RunConfig:
     return load_config([DEMO], ["model.preset=null", f"model.path={tiny}", f"learner.mini_batch_size={mini}",
-                                "learner.gradient_accumulation_steps=4"])
+                                "learner.gradient_accumulation_steps=4",
+                                "learner.off_policy_correction.proximal=step_start"])  # "minis": the kept copy
 
 
 def batch(step: int, vocab: int) -> list[list[Trajectory]]:

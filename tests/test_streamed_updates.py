@@ -62,12 +62,16 @@ def _same(a, b):
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
 
 
-@pytest.mark.parametrize("correction", ["double_sided_importance_sampling", "none"])
-def test_streamed_updates_are_train_steps(tiny_model, correction):
+@pytest.mark.parametrize("correction, proximal", [("double_sided_importance_sampling", "step_start"),
+                                                  ("double_sided_importance_sampling", "update_start"),
+                                                  ("none", "step_start")])
+def test_streamed_updates_are_train_steps(tiny_model, correction, proximal):
     """4 updates a step (mini 16 of 64), with the demo's off-policy correction (π_prox of updates 2-4 scored under
-    the kept starting weights) and without one (π_prox = π_behav: nothing kept)."""
+    the kept starting weights, or each update's own first forward: update_start) and without one (π_prox =
+    π_behav: nothing kept)."""
     sets = ["learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",
-            f"learner.off_policy_correction.method={correction}"]
+            f"learner.off_policy_correction.method={correction}",
+            f"learner.off_policy_correction.proximal={proximal}"]
     streamed, stepped = _steps(tiny_model, True, *sets), _steps(tiny_model, False, *sets)
     _same(streamed, stepped)
     assert streamed[2].streams
@@ -91,10 +95,16 @@ def test_the_max_kl_guard_stops_a_streamed_step_as_it_stops_train_step(tiny_mode
 def test_which_learners_stream(tiny_model):
     assert _learner(tiny_model, "learner.mini_batch_size=64").streams  # one update
     demo = _learner(tiny_model)
-    assert demo.streams and demo.updates_per_pass == 4  # the demo's: the starting weights kept after the first
+    assert demo.streams and demo.updates_per_pass == 4 and demo.prox_per_update  # the demo's: π_prox own forwards
+    assert _learner(tiny_model, "learner.off_policy_correction.proximal=step_start").streams  # the copy kept
     assert not _learner(tiny_model, "learner.mini_batch_size=32", "learner.update_frequency=2").streams
     # DetachActorWorker scores π_prox under the last sync's weights, which a step's updates do not hold
-    assert not _learner(tiny_model, "actor_worker.class=DetachActorWorker").streams
+    detach = ("actor_worker.class=DetachActorWorker", "learner.off_policy_correction.proximal=step_start")
+    assert not _learner(tiny_model, *detach).streams
+    assert _learner(tiny_model, detach[0]).streams  # update_start: the held weights are not π_prox (warned at load)
+    cfg = load_config([DEMO], ["model.preset=null", f"model.path={tiny_model}", detach[0], "rollout.mode=fully_async",
+                               "trainer.trigger_parameter_sync_step=2"])
+    assert any("DetachActorWorker changes nothing" in w and "proximal: update_start" in w for w in cfg.warnings())
 
 
 def test_train_step_cuts_mini_batches_at_mini_batch_size(tiny_model):
@@ -113,3 +123,47 @@ def test_train_step_cuts_mini_batches_at_mini_batch_size(tiny_model):
     learner.train_step([t for g in groups for t in g], torch.cat([advantages(g) for g in groups]))
     assert sizes == [16, 16, 16, 8]
 
+
+
+def _scored(learner):
+    """Rows ``learner.score`` is asked for, per call (spied)."""
+    calls, score = [], learner.score
+    learner.score = lambda batch, device, skip=0: calls.append(len(batch) - skip) or score(batch, device, skip)
+    return calls
+
+
+def test_proximal_update_start_scores_nothing_and_changes_a_step_of_several_updates(tiny_model):
+    """off_policy_correction.proximal flipped: step_start scores the 48 rows of updates 2-4 under the step's start
+    (train_step before its first update; streamed, the groups after the first update under the kept copy);
+    update_start scores nothing (each update's π_prox is its own first forward) and trains otherwise. With one update a
+    step the two are the same update."""
+    sets = ["learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",
+            "learner.off_policy_correction.proximal=step_start"]
+    counts = {}
+    for proximal in ("step_start", "update_start"):
+        for streamed in (False, True):
+            learner = _learner(tiny_model, *sets[:2], f"learner.off_policy_correction.proximal={proximal}")
+            calls = _scored(learner)
+            groups = batch(1, learner.model.config.vocab_size)
+            behave(learner.model, groups, 1)
+            trajs, adv = [t for g in groups for t in g], torch.cat([advantages(g) for g in groups])
+            if streamed:
+                update = learner.begin_step()
+                for g, a in zip(groups, adv.split(8)):
+                    update.add_trajectories(g, a)
+                learner.finish_step(update)
+            else:
+                learner.train_step(trajs, adv)
+            counts[proximal, streamed] = sum(calls)
+    assert counts == {("step_start", False): 48, ("step_start", True): 48,
+                      ("update_start", False): 0, ("update_start", True): 0}
+    # at the demo's lr the policy moves ~1e-4 in a step, so the ratios differ in the 4th digit; at 1e-2 they clip
+    fast = [*sets, "policy_optimization.optimizer.lr=1e-2"]
+    start = _steps(tiny_model, False, *fast)
+    update = _steps(tiny_model, False, *fast, "learner.off_policy_correction.proximal=update_start")
+    assert max(float((start[1][k] - update[1][k]).abs().max()) for k in start[1]) > 1e-4
+    assert start[0][0]["optim/clip_ratio_high"] + start[0][0]["optim/clip_ratio_low"] > 0  # step_start's clip acts
+    assert update[0][0]["optim/clip_ratio_high"] + update[0][0]["optim/clip_ratio_low"] == 0  # ratio 1: never
+    one = [_steps(tiny_model, False, "learner.mini_batch_size=64", f"learner.off_policy_correction.proximal={p}")
+           for p in ("step_start", "update_start")]
+    assert all(torch.equal(one[0][1][k], one[1][1][k]) for k in one[0][1])

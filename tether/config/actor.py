@@ -38,7 +38,9 @@ def actor_inert(cfg: RunConfig) -> list[str]:
     if cfg.actor_worker.class_ != "DetachActorWorker":
         return []
     opc = cfg.learner.off_policy_correction
-    if opc.method == "none" and not opc.tis_enabled:
+    if opc.proximal == "update_start":
+        why = "learner.off_policy_correction.proximal: update_start takes π_prox under each update's own weights"
+    elif opc.method == "none" and not opc.tis_enabled:
         why = ("no π_prox is computed (learner.off_policy_correction.method: none, tis_enabled: false): the ratio "
                "is taken to the behaviour policy")
     elif cfg.rollout.mode == "sync":

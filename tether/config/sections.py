@@ -309,6 +309,14 @@ class OffPolicyCorrectionConfig(Section):
     """Truncated importance sampling of the rollout/train logprob mismatch (π_prox / π_behav)."""
     tis_cap: PosFloat = 2.0
     """TIS cap C (a ratio): importance weights above it are truncated to it (verl's rollout_is_threshold)."""
+    proximal: Literal["step_start", "update_start"] = "step_start"
+    """The weights pi_prox is taken under (the policy the loss's ratio is clipped around; the correction weighs
+    pi_prox / pi_behav): step_start = the step's start for every update of the step (verl's old_log_prob; a step of
+    several updates scores its later mini-batches under them, and a streamed step keeps a copy of them for that);
+    update_start = each update's own starting weights (decoupled PPO with the latest policy as the proximal one,
+    Hilton et al. 2021): no scoring pass and no copy; a trajectory's one update then sees ratio 1, and the
+    correction's band on pi_prox / pi_behav bounds how far the policy has moved since it sampled. tether's own key;
+    with actor_worker.class DetachActorWorker, update_start takes the place of the held weights."""
 
 
 class LearnerConfig(Section):

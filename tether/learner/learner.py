@@ -164,6 +164,8 @@ class Learner:
         self.pad_id = _pad_id(model)
         # π_prox from the first update's own forward (one fewer pass) when that forward is the eval one
         self.prox_from_forward = _no_dropout(model)
+        # off_policy_correction.proximal: update_start = π_prox under each update's own starting weights
+        self.prox_per_update = lc.off_policy_correction.proximal == "update_start"
         self.version = 0  # trainer steps completed
         self.ranks = Ranks()  # one process; tether.learner.fsdp.sharded_learner sets this rank's place among several
         # actor_worker.class: DetachActorWorker keeps π_prox at the last sync's weights (tether.learner.detach);
@@ -241,9 +243,11 @@ class Learner:
             self.distill.attach(batch, trajectories)
         minis = batch.chunks(self.mini_batch_size)  # rows = segments; cut between trajectories, the last the remainder
         # π_prox of the first mini-batch is its own first forward (the weights have not moved yet); only the
-        # others, when there are any, need a scoring pass before the first update.
+        # others, when there are any, need a scoring pass before the first update. With proximal update_start every
+        # update's π_prox is its own first forward (or, with dropout, a scoring pass just before it).
         fresh_first = self.objective.needs_prox and self._prox_is_own_forward
-        if self.objective.needs_prox:
+        per_update = self.objective.needs_prox and self.prox_per_update
+        if self.objective.needs_prox and not per_update:
             with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
                 batch.prox_logp = self.score(batch, device, skip=len(minis[0]) if fresh_first else 0)
             minis = batch.chunks(self.mini_batch_size)  # the mini-batches again, now holding π_prox
@@ -253,7 +257,10 @@ class Learner:
         updates = (mini for _ in range(self.epochs) for mini in minis)
         stopped = False
         for k, mini in enumerate(updates):
-            kl = self._update(mini, acc, prox_from_forward=fresh_first and k == 0, at_start=k == 0)
+            own = (fresh_first and k == 0) or (per_update and self.prox_from_forward)
+            if per_update and not self.prox_from_forward:
+                mini.prox_logp = self.score(mini, device)  # dropout: the update's own weights, scored in eval mode
+            kl = self._update(mini, acc, prox_from_forward=own, at_start=k == 0)
             if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
                 stopped = True  # the max-KL guard: skip the step's remaining updates
                 break
@@ -269,6 +276,8 @@ class Learner:
         updates (``mini_batch_size`` < ``batch_size``) with such an objective also keeps the step's starting weights
         for the groups that arrive after its first update (``StreamedUpdates``). Every rank is fed the same groups
         (``tether.learner.group``)."""
+        if self.objective.needs_prox and self.prox_per_update:
+            return self.epochs == 1 and self.prox_from_forward
         return self.epochs == 1 and (not self.objective.needs_prox or self._prox_is_own_forward)
 
     @property

@@ -13,7 +13,8 @@ micro-batch's own forward (the weights have not moved). A trajectory that arrive
 under the step's starting weights, which are kept (one copy of the trained parameters, this rank's shards: the
 adapter only under ``model.lora``) from just before the first update is applied until the step ends;
 ``train_step`` scores the same rows under the same weights before its first update. Without a correction
-(π_prox = π_behav) nothing is kept.
+(π_prox = π_behav), or with ``off_policy_correction.proximal: update_start`` (π_prox = each update's own first
+forward), nothing is kept and nothing is scored.
 
 The max-KL guard acts as in ``train_step``: once an update measures a KL to the reference above
 ``kl_control.max_kl``, the step's later trajectories are received but not trained.
@@ -47,6 +48,8 @@ class StreamedUpdates:
         self.learner = learner
         self.size = learner.mini_batch_size
         self.needs_prox = learner.objective.needs_prox
+        # off_policy_correction.proximal update_start: every update's π_prox is its own first forward (nothing kept)
+        self.per_update = self.needs_prox and learner.prox_per_update
         self.acc: Pairs = defaultdict(list)  # the step's metrics, every update's
         self.updates = 0  # updates applied
         self.stopped = False  # the max-KL guard stopped the step
@@ -58,7 +61,8 @@ class StreamedUpdates:
 
     def _new(self) -> Accumulation:
         first = self.updates == 0
-        return Accumulation(self.learner, prox_from_forward=first and self.needs_prox, at_start=first)
+        own = (first and self.needs_prox) or self.per_update
+        return Accumulation(self.learner, prox_from_forward=own, at_start=first)
 
     def add_trajectories(self, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor) -> None:
         """Forward and back-propagate ``trajectories`` (one advantage each) now, applying every update they fill."""
@@ -78,7 +82,7 @@ class StreamedUpdates:
 
     def _add(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
         assert self._open is not None
-        if self.updates == 0 or not self.needs_prox:  # π_prox is the first update's own forward, or not needed
+        if self.updates == 0 or not self.needs_prox or self.per_update:  # π_prox: the own forward, or not needed
             self._open.add_trajectories(trajectories, advantages)
             return
         learner = self.learner
@@ -93,7 +97,7 @@ class StreamedUpdates:
         """Apply the open update; ``more``: more trajectories may follow (keep the starting weights first)."""
         update, self._open = self._open, None
         assert update is not None
-        if more and self.updates == 0 and self.needs_prox:
+        if more and self.updates == 0 and self.needs_prox and not self.per_update:
             with torch.no_grad():
                 self._start = {name: p.clone() for name, p in trained_params(self.learner.model)}
         kl = update.apply(self.acc)
