@@ -167,8 +167,9 @@ def step_profile(out: str) -> str:
 
 
 def time_to_target(out: str) -> str:
-    seeds = re.findall(r"^seed (\d+): to (\d+)%: (?:(\d+) s wall / (\d+) s CPU \(step (\d+)\)|not reached)", out,
+    found = re.findall(r"^seed (\d+): to (\d+)%: (?:(\d+) s wall / (\d+) s CPU \(step (\d+)\)|not reached)", out,
                        re.MULTILINE)
+    seeds = list({s[0]: s for s in found}.values())  # each seed's line is printed as it ends and again in the summary
     med = find(r"^time to (\d+)% = (.+) s \(median of (\d+) seeds\)", out, "median time to target")
     cpu = find(r"^CPU time to target \(median\): (\S+) s; held-out success at the last step: (.+)$", out, "CPU line")
     per = " / ".join(f"step {s[4]}, {s[2]} s" if s[4] else "not reached" for s in seeds)

@@ -187,3 +187,14 @@ ratio stream/local tokens/s = 0.52
     assert figures.serve_throughput(out) == (
         "2073 vs 2839 tokens/s (**ratio 0.73**), p50 1.79 s vs 1.33 s; streamed 1473 tokens/s (**ratio 0.52**), "
         "first content after 0.11 s (median)")
+
+
+def test_time_to_target_parser_counts_each_seed_once():
+    line = ("seed {}: to 75%: {} s wall / {} s CPU (step {}); held-out success at step 16: 80.0%; training 40 s "
+            "(50 s CPU), evaluation 12 s; generated per trained trajectory 1.90; curve 0:36% 16:80%")
+    seeds = [line.format(0, 21, 26, 8), "seed 1: to 75%: not reached; held-out success at step 16: 70.0%",
+             line.format(2, 30, 39, 12)]
+    out = "\n".join([*seeds, *seeds, "CPU time to target (median): 26 s; held-out success at the last step: 80.0%, "
+                     "70.0%, 81.2%", "time to 75% = 30 s (median of 3 seeds)"])
+    assert figures.time_to_target(out) == ("to 75 %: **median 30 s** over 3 seeds (step 8, 21 s / not reached / step "
+                                           "12, 30 s); CPU 26 s; held-out success at the last step 80.0%, 70.0%, 81.2%")

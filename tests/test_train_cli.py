@@ -19,9 +19,11 @@ learner: {batch_size: 8, mini_batch_size: 4, gradient_accumulation_steps: 2, upd
 policy_optimization:
   advantage: {group_size: 4, normalization: group, degenerate_group_filter: {enabled: false}}
   optimizer: {lr: 1e-3, warmup_steps: 0}
-trainer: {total_steps: 3, eval_every: 0, save_every: 1, seed: 5}
+trainer: {total_steps: 3, eval_every: 0, save_every: 1, seed: 5, deterministic: true}
 metrics: {tensorboard: true}
 """
+# deterministic: the step's 2 updates (mini-batches of 4) are fed beside the rollout; in task order, so a resumed run
+# makes the uninterrupted run's updates (by arrival, which group makes update 1 follows the engine's timing)
 
 
 @pytest.fixture(scope="module")

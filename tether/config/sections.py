@@ -337,8 +337,10 @@ class LearnerConfig(Section):
     """Sync mode, when a step is one pass (update_frequency 1) whose pi_prox is each update's own first forward:
     train each group as soon as it finishes, in a thread beside the rollout, instead of after the whole batch;
     with several updates a step (mini_batch_size < batch_size) each is applied as soon as it holds mini_batch_size
-    trajectories (the same updates, to float rounding; ``tether.pipeline.streaming``). ``perf/learner_overlap_s``
-    says how much of the learner's time it moved under the rollout."""
+    trajectories (``tether.pipeline.streaming``). One update: the same update as after the batch, to float rounding;
+    several: each mini-batch holds trajectories in the order their groups finished (which groups make which update
+    follows the engine's timing), in task order with trainer.deterministic (then the same updates, to float
+    rounding). ``perf/learner_overlap_s`` says how much of the learner's time it moved under the rollout."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> LearnerConfig:
