@@ -66,11 +66,7 @@ class Accumulation:
 
     def add_trajectories(self, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor) -> None:
         """Forward and back-propagate ``trajectories`` (one advantage each) now."""
-        learner = self.learner
-        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=learner.pad_id)
-        if learner.distill is not None:  # the teacher's scores as batch tensors
-            learner.distill.attach(batch, trajectories)
-        self.add(batch)
+        self.add(self.learner.batch_of(trajectories, advantages))
 
     def add(self, batch: TrainBatch) -> None:
         """Forward and back-propagate ``batch`` now, in micro-batches of at most ``micro_batch_size`` trajectories."""

@@ -231,6 +231,18 @@ class Learner:
         self.version += 1
         record_metric("optim/empty_steps", 1, "sum")
 
+    def batch_of(self, trajectories: Sequence[Trajectory], advantages: Sequence[float] | torch.Tensor) -> TrainBatch:
+        """The batch tensors of ``trajectories`` (one advantage each), with the teacher's scores where the run
+        distils (before any split)."""
+        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
+        if self.distill is not None:
+            self.distill.attach(batch, trajectories)
+        return batch
+
+    def kl_stops(self, kl: float | None) -> bool:
+        """The max-KL guard: whether an update that measured ``kl`` (None: not measured) ends its step's updates."""
+        return self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)
+
     def train_step(self, trajectories: Sequence[Trajectory],
                    advantages: Sequence[float] | torch.Tensor) -> dict[str, float]:
         """Train on ``trajectories`` (one advantage each; nominally ``batch_size``); returns and records the metrics."""
@@ -238,15 +250,13 @@ class Learner:
             raise ValueError("train_step got no trajectories")
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
-        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=self.pad_id)
-        if self.distill is not None:  # the teacher's scores as batch tensors, before any split
-            self.distill.attach(batch, trajectories)
+        batch = self.batch_of(trajectories, advantages)
         minis = batch.chunks(self.mini_batch_size)  # rows = segments; cut between trajectories, the last the remainder
         # π_prox of the first mini-batch is its own first forward (the weights have not moved yet); only the
         # others, when there are any, need a scoring pass before the first update. With proximal update_start every
         # update's π_prox is its own first forward (or, with dropout, a scoring pass just before it).
         fresh_first = self.objective.needs_prox and self._prox_is_own_forward
-        per_update = self.objective.needs_prox and self.prox_per_update
+        per_update = self.prox_each_update
         if self.objective.needs_prox and not per_update:
             with self.worker.prox_weights(self.version):  # DetachActorWorker: the last sync's weights
                 batch.prox_logp = self.score(batch, device, skip=len(minis[0]) if fresh_first else 0)
@@ -261,7 +271,7 @@ class Learner:
             if per_update and not self.prox_from_forward:
                 mini.prox_logp = self.score(mini, device)  # dropout: the update's own weights, scored in eval mode
             kl = self._update(mini, acc, prox_from_forward=own, at_start=k == 0)
-            if self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl):
+            if self.kl_stops(kl):
                 stopped = True  # the max-KL guard: skip the step's remaining updates
                 break
         return self._finish(acc, kl_coef, stopped, len(trajectories), batch.num_tokens * self.epochs,
@@ -276,9 +286,15 @@ class Learner:
         updates (``mini_batch_size`` < ``batch_size``) with such an objective also keeps the step's starting weights
         for the groups that arrive after its first update (``StreamedUpdates``). Every rank is fed the same groups
         (``tether.learner.group``)."""
-        if self.objective.needs_prox and self.prox_per_update:
+        if self.prox_each_update:
             return self.epochs == 1 and self.prox_from_forward
         return self.epochs == 1 and (not self.objective.needs_prox or self._prox_is_own_forward)
+
+    @property
+    def prox_each_update(self) -> bool:
+        """Whether every update takes its own π_prox (``off_policy_correction.proximal: update_start`` with an
+        objective that needs one): no step-start weights are kept and nothing is scored for later updates."""
+        return self.objective.needs_prox and self.prox_per_update
 
     @property
     def _prox_is_own_forward(self) -> bool:
@@ -307,7 +323,7 @@ class Learner:
         else:
             acc = defaultdict(list)
             kl = update.apply(acc)
-            stopped = self.max_kl is not None and kl is not None and exceeds_max_kl(kl, self.max_kl)  # as train_step
+            stopped = self.kl_stops(kl)  # as train_step
         return self._finish(acc, kl_coef, stopped, update.trajectories, update.forwarded_tokens,
                             update.busy_s + time.perf_counter() - t0)
 

@@ -30,9 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.algo.kl_control import exceeds_max_kl
 from tether.learner.accumulate import Accumulation, Pairs
-from tether.learner.batch import TrainBatch
 from tether.learner.detach import trained_params
 from tether.types import Trajectory
 
@@ -49,7 +47,7 @@ class StreamedUpdates:
         self.size = learner.mini_batch_size
         self.needs_prox = learner.objective.needs_prox
         # off_policy_correction.proximal update_start: every update's π_prox is its own first forward (nothing kept)
-        self.per_update = self.needs_prox and learner.prox_per_update
+        self.per_update = learner.prox_each_update
         self.acc: Pairs = defaultdict(list)  # the step's metrics, every update's
         self.updates = 0  # updates applied
         self.stopped = False  # the max-KL guard stopped the step
@@ -57,6 +55,7 @@ class StreamedUpdates:
         self.forwarded_tokens = 0
         self.busy_s = 0.0
         self._start: dict[str, torch.Tensor] | None = None  # the step's starting weights, once an update moved them
+        self._held: dict[str, torch.Tensor] | None = None  # the current weights while the starting ones are in
         self._open: Accumulation | None = self._new()
 
     def _new(self) -> Accumulation:
@@ -85,12 +84,9 @@ class StreamedUpdates:
         if self.updates == 0 or not self.needs_prox or self.per_update:  # π_prox: the own forward, or not needed
             self._open.add_trajectories(trajectories, advantages)
             return
-        learner = self.learner
-        batch = TrainBatch.from_trajectories(trajectories, advantages, pad_id=learner.pad_id)
-        if learner.distill is not None:
-            learner.distill.attach(batch, trajectories)
+        batch = self.learner.batch_of(trajectories, advantages)
         with self._starting_weights():
-            batch.prox_logp = learner.score(batch, self._open.device)
+            batch.prox_logp = self.learner.score(batch, self._open.device)
         self._open.add(batch)
 
     def _apply(self, *, more: bool) -> None:
@@ -103,8 +99,7 @@ class StreamedUpdates:
         kl = update.apply(self.acc)
         self.forwarded_tokens += update.forwarded_tokens
         self.updates += 1
-        max_kl = self.learner.max_kl
-        self.stopped = max_kl is not None and kl is not None and exceeds_max_kl(kl, max_kl)
+        self.stopped = self.learner.kl_stops(kl)
         if more and not self.stopped:
             self._open = self._new()
 
@@ -112,23 +107,26 @@ class StreamedUpdates:
         """Apply the last update (if it holds anything); the step's metrics and whether the guard stopped it."""
         if self._open is not None and self._open.trajectories:
             self._apply(more=False)
-        self._open, self._start = None, None
+        self._open, self._start, self._held = None, None, None
         return self.acc, self.stopped
 
     @contextlib.contextmanager
     def _starting_weights(self) -> Iterator[None]:
         """Inside: the model holds the step's starting weights (copied in, and the current ones copied back after:
-        in place, so the optimizer and FSDP keep their tensors)."""
+        in place, so the optimizer and FSDP keep their tensors; the current ones wait in one buffer kept for the
+        step)."""
         assert self._start is not None
         with torch.no_grad():
             params = dict(trained_params(self.learner.model))
-            held = {name: params[name].clone() for name in self._start}
+            if self._held is None:
+                self._held = {name: torch.empty_like(start) for name, start in self._start.items()}
             for name, start in self._start.items():
+                self._held[name].copy_(params[name])
                 params[name].copy_(start)
         try:
             yield
         finally:
             with torch.no_grad():
                 params = dict(trained_params(self.learner.model))
-                for name, current in held.items():
+                for name, current in self._held.items():
                     params[name].copy_(current)
