@@ -75,20 +75,20 @@ def test_the_latency_cap_holds_the_large_groups_while_a_small_one_is_queued_or_r
     heavy = [Req("heavy") for _ in range(6)] + [Req("mid") for _ in range(3)]
     # a small group (1 request <= 4 rows) queued: heavy (6) and mid (3 running + 2 queued = 5) are large
     queue = [Req("small"), Req("mid"), Req("mid")]
-    assert large_groups(queue, heavy, 4) == {"heavy", "mid"}
+    assert large_groups(queue, heavy, 4) == ({"heavy", "mid"}, True)
     # 9 rows of large groups, 4 allowed: 5 go, taken from the group holding most, its latest first
     # (heavy 6 -> 5 -> 4 -> 3, then mid 3 and heavy 3 tie: most_common keeps heavy, then mid)
     assert over_cap(heavy, {"heavy", "mid"}, 4) == [heavy[5], heavy[4], heavy[3], heavy[2], heavy[8]]
     assert over_cap(heavy[:4], {"heavy"}, 4) == []
     # no small group: no cap; a cancelled small request is no small group
-    assert large_groups([Req("mid"), Req("mid")], heavy, 4) == set()  # mid: 3 running + 2 queued
-    assert large_groups([Req("small", cancelled=True)], heavy[:6], 4) == set()
+    assert large_groups([Req("mid"), Req("mid")], heavy, 4) == ({"heavy", "mid"}, False)  # mid: 3 running + 2 queued
+    assert large_groups([Req("small", cancelled=True)], heavy[:6], 4) == ({"heavy"}, False)
     # the small group running (nothing queued) keeps the cap on
-    assert large_groups([], [*heavy, Req("small")], 4) == {"heavy"}
+    assert large_groups([], [*heavy, Req("small")], 4) == ({"heavy"}, True)
     # requests without a group are neither small nor large: rollouts are never capped
     singles = [solo() for _ in range(8)]
-    assert large_groups([solo()], singles, 4) == set()
-    assert large_groups([Req("small")], [*singles, *heavy[:6]], 4) == {"heavy"}
+    assert large_groups([solo()], singles, 4) == (set(), False)
+    assert large_groups([Req("small")], [*singles, *heavy[:6]], 4) == ({"heavy"}, True)
 
 
 @pytest.fixture(scope="module")
@@ -147,25 +147,19 @@ def test_requests_without_a_group_wait_first_come_first_served(model):
 
 
 def capped_run(model, grouped: bool):
-    """12 heavy requests (one group, 120 tokens) hold 12 of 16 slots; a small request (8 tokens) comes once they
-    run. Returns the heavy rows of every decode step while the small request was in the engine, the most heavy rows
-    of any step after it ended, the results (small, heavy) and the engine's stats."""
+    """12 heavy requests (one group, 120 tokens) take 12 of 16 slots; a small request (8 tokens) comes once they all
+    run. Returns the heavy rows of every decode step before the small request, while it was in the engine and after
+    it ended, the results (small, heavy) and the engine's stats."""
     heavy = [SamplingParams(temperature=1.0, max_tokens=120, seed=i) for i in range(12)]
     small = SamplingParams(temperature=1.0, max_tokens=8, seed=99)
-    during: list[int] = []
-    after: list[int] = []
-    state = {"small": None}
+    rows: dict[str, list[int]] = {"before": [], "during": [], "after": []}
+    phase = ["before"]
 
     with LocalEngine(copy.deepcopy(model), max_batch=16, latency_rows=4) as engine:
         decode = engine._runner.decode
 
         def watched(inputs, **kw):  # on the worker thread, before each decode forward
-            running = engine._slots.running
-            rows = sum(r.params.max_tokens == 120 for r in running)
-            if state["small"] == "running":
-                during.append(rows)
-            elif state["small"] == "done":
-                after.append(rows)
+            rows[phase[0]].append(sum(r.params.max_tokens == 120 for r in engine._slots.running))
             return decode(inputs, **kw)
 
         engine._runner.decode = watched
@@ -173,22 +167,24 @@ def capped_run(model, grouped: bool):
         async def run():
             kw = {"group": "heavy"} if grouped else {}
             tasks = [asyncio.ensure_future(engine.generate(PROMPT, p, **kw)) for p in heavy]
-            while engine.stats["generated_tokens"] < 24:  # every heavy request runs
+            while engine.stats["generated_tokens"] < 36:  # every heavy request runs
                 await asyncio.sleep(0.001)
-            state["small"] = "running"
+            phase[0] = "during"
             got = await engine.generate(OTHER, small, **({"group": "small"} if grouped else {}))
-            state["small"] = "done"
+            phase[0] = "after"
             return got, await asyncio.gather(*tasks)
 
         got_small, got_heavy = asyncio.run(run())
         stats = dict(engine.stats)
-    return during, max(after, default=0), got_small, got_heavy, stats
+    return rows, got_small, got_heavy, stats
 
 
 def test_the_latency_cap_parks_a_large_groups_rows_while_a_small_request_runs(model):
-    during, after, got_small, got_heavy, stats = capped_run(model, grouped=True)
-    assert during and max(during[1:]) <= 4  # (the first step may decode before the worker saw the small request)
-    assert after == 12  # the heavy group gets its rows back once the small request has ended
+    rows, got_small, got_heavy, stats = capped_run(model, grouped=True)
+    before = rows["before"]  # a large group is admitted latency_rows (4) a step: 4, 8, 12 when all came at once
+    assert before[0] <= 4 and all(b - a <= 4 for a, b in zip(before, before[1:])) and before[-1] == 12
+    assert rows["during"] and max(rows["during"][1:]) <= 4  # (the first step may precede the small request)
+    assert max(rows["after"]) == 12  # the heavy group gets its rows back once the small request has ended
     assert stats["latency_parked"] >= 8 and stats.get("fair_interruptions", 0) == 0
     assert sum(r.num_preempted for r in got_heavy) == stats["latency_parked"]
     # everyone gets the tokens they get without contention (seeded draws; parked caches resumed)
@@ -204,6 +200,6 @@ def test_the_latency_cap_parks_a_large_groups_rows_while_a_small_request_runs(mo
 
 
 def test_the_latency_cap_leaves_requests_without_a_group_alone(model):
-    during, _, _, got_heavy, stats = capped_run(model, grouped=False)
-    assert max(during) == 12  # every heavy request kept decoding beside the small one
+    rows, _, got_heavy, stats = capped_run(model, grouped=False)
+    assert min(rows["during"]) == 12  # none parked
     assert stats.get("latency_parked", 0) == 0 and all(r.num_preempted == 0 for r in got_heavy)

@@ -381,7 +381,7 @@ def serve(
         "--latency-rows", min=0, help="A request of at most this many choices (n) is latency-sensitive: while one "
                                       "is queued or running, requests of more choices decode at most this many rows "
                                       "together (the rest parked, resumed after), so its decode steps stay short; "
-                                      "0 = off.")] = 8,
+                                      "0 = off.")] = 4,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 

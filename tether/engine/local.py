@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams, TokenDelta
-from tether.engine.fair_share import large_groups, next_index, over_cap, victims
+from tether.engine.fair_share import NO_CAP, large_groups, next_index, over_cap, victims
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
@@ -455,15 +455,16 @@ class LocalEngine:
         widest = 0
         draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
         interrupts = self.partial_rollout and not self.deterministic  # resumed from parked caches
-        large = large_groups(self._queue, slots.running, self.latency_rows) if self.latency_rows else set()
+        large, capped = large_groups(self._queue, slots.running, self.latency_rows) if self.latency_rows else NO_CAP
         if large:  # a capped group's cancelled requests may not reach the front for long: drop them now
             self._queue = deque(r for r in self._queue if not r.cancelled)
-        if large and interrupts and not draining:
+        if capped and interrupts and not draining:
             self._interrupt(over_cap(slots.running, large, self.latency_rows), "latency_parked")
         if self._queue and len(slots.running) >= self.max_batch and not draining and interrupts:
             self._interrupt(victims(self._queue, slots.running, self.max_batch))
         counts = Counter(r.group for r in slots.running)
-        room = self.latency_rows - sum(counts[g] for g in large)  # rows the large groups may still take
+        # rows the large groups may take this step: up to the cap while it is on, else ``latency_rows`` more
+        room = self.latency_rows - (sum(counts[g] for g in large) if capped else 0)
         while self._queue and len(slots.running) < self.max_batch and not draining:
             i = next_index(self._queue, counts, large if room <= 0 else ())
             if i < 0:  # only capped groups wait

@@ -56,7 +56,7 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
-LATENCY_ROWS = 8  # ``--latency-rows``' default (benchmarks/serve_load.py)
+LATENCY_ROWS = 4  # ``--latency-rows``' default (benchmarks/serve_load.py)
 
 
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
