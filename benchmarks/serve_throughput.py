@@ -24,7 +24,8 @@ better). The client's CPU: 0.8-0.9 s plain, 3.9-4.5 s streamed (1.8-2.0 s at 8 t
 6-7.8 s, in runs of 5-7 s on 2 cores; the in-process run is 2.7k tokens/s at 2 threads, 3.1k at 1 (the tiny model
 gains nothing from a second OpenMP thread, which stalls whenever another process takes its core). Fewer chunks cut
 the client's CPU by half but not the wall time: the engine steps are slower beside the server's event loop and the
-client whatever they cost (median step 17.6 ms streamed vs 13.4 ms in-process at the same 33.5 rows per step). Usage:
+client whatever they cost (traced: median step 14.2-17.6 ms served vs 13.4 ms in-process, at the same 33.5 rows
+per step on average). Usage:
 
     python benchmarks/serve_throughput.py [--threads 2] [--requests 192] [--concurrency 64] [--model DIR] [--pin]
 """
