@@ -45,7 +45,8 @@ request of at most 4 choices waits or runs, larger ones decode at most 4 rows to
 admitted 4 rows a step. Measured (interleaved runs, other work beside): p99 ratio 4.8, 7.2 and 9.3 with
 ``--latency-rows 0``; 1.3, 1.5, 1.5, 1.7, 1.9 and 3.9 (a run where even the requests clear of heavy ones were at
 2.0x) at 4; 3.5 and 3.5 at 8; 1.3 and 2.8 at 2. RSS ends at 1.04-1.10x its start (1.11-1.12 without the cap). The
-ratio moves with whatever else the two cores run (idle p99 75-530 ms over these runs).
+ratio moves with whatever else the two cores run (idle p99 75-530 ms over these runs). With ``--same-process`` the
+cap's runs give 5.9 and 9.6 (10-20 without it): the driver's own stalls, which the cap cannot touch.
 Usage:
 
     python benchmarks/serve_load.py [--threads 2] [--small 200] [--abandoners 32] [--big-senders 4] [--latency-rows N]
