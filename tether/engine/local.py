@@ -213,7 +213,8 @@ class LocalEngine:
             requests instead of staying flat.
         latency_rows: fair admission's latency cap (``fair_share.large_groups``): while a group of at most this many
             requests is queued or running, groups of more hold at most this many rows together, the rest parked;
-            0 = off. Requests without a group are never capped (``tether serve --latency-rows``).
+            otherwise they are admitted at most this many rows a step. 0 = off. Requests without a group are never
+            capped (``tether serve --latency-rows``).
         """
         if segment_length < 1:
             raise ValueError(f"segment_length must be >= 1 decode step, got {segment_length}")
