@@ -15,9 +15,17 @@ greedy, end-of-turn ignored, so every request produces exactly its budget on bot
 Latency is per request, from its start to its parsed response. The ratio server/local of tokens/s is what the
 OpenAI-compatible boundary costs on this machine. With ``--pin`` the engine side gets core 0 alone (the server
 process, or this process for the local run, one thread) and the client core 1, as when clients run on other
-machines; without it, client and server share every core. Measured (192 requests, 64 concurrent): ``--pin``
-server/local 0.89-0.92 and streamed 0.82-0.85 with uvloop and httptools (0.83 and 0.71 on uvicorn's pure-Python
-asyncio loop and h11); unpinned 0.83 and 0.68-0.74. Usage:
+machines; without it, client and server share every core. Each server run also prints the CPU seconds of the client
+(this process) and of the server process (every thread: engine, its OpenMP worker, event loop, workers), to show
+where the cores went. Measured (192 requests, 64 concurrent): ``--pin`` server/local 0.89-0.92 and streamed
+0.82-0.85 with uvloop and httptools (0.83 and 0.71 on uvicorn's pure-Python asyncio loop and h11); unpinned, 7 runs
+on one day with other work beside: 0.85-0.97, streamed 0.71-0.82, with ``--stream-interval 8`` 0.67-0.79 (no
+better). The client's CPU: 0.8-0.9 s plain, 3.9-4.5 s streamed (1.8-2.0 s at 8 tokens per chunk), the server's
+6-7.8 s, in runs of 5-7 s on 2 cores; the in-process run is 2.7k tokens/s at 2 threads, 3.1k at 1 (the tiny model
+gains nothing from a second OpenMP thread, which stalls whenever another process takes its core). Fewer chunks cut
+the client's CPU by half but not the wall time: the engine steps are slower beside the server's event loop and the
+client whatever they cost (traced: median step 14.2-17.6 ms served vs 13.4 ms in-process, at the same 33.5 rows
+per step on average). Usage:
 
     python benchmarks/serve_throughput.py [--threads 2] [--requests 192] [--concurrency 64] [--model DIR] [--pin]
 """
@@ -29,6 +37,7 @@ import asyncio
 import os
 import random
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -112,7 +121,16 @@ def start_server(path: str, threads: int, max_batch: int, log: Path,
         time.sleep(0.2)
 
 
-def run_server(port: int, jobs, concurrency: int, stream: bool = False):
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of process ``pid`` (all its threads) from /proc."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_server(port: int, jobs, concurrency: int, stream: bool = False, pid: int | None = None):
     import httpx
     from openai import AsyncOpenAI
 
@@ -144,7 +162,11 @@ def run_server(port: int, jobs, concurrency: int, stream: bool = False):
             return await bounded(jobs, concurrency, run)
 
     first_content: list[float] = []
+    client0, server0 = cpu_s(), cpu_s(pid) if pid else 0.0
     latencies, tokens, wall = asyncio.run(main())
+    if pid:  # (the warm-up's 8 requests included)
+        print(f"{'streamed' if stream else 'plain'}: CPU seconds of the client {cpu_s() - client0:.2f}, of the server "
+              f"{cpu_s(pid) - server0:.2f}, in {wall:.2f} s on {len(os.sched_getaffinity(0))} cores")
     if stream:
         print(f"streamed: first content after {statistics.median(first_content):.2f} s (median) of "
               f"{statistics.median(latencies):.2f} s per request")
@@ -182,21 +204,23 @@ def main() -> None:
     print(f"model: {path}; threads: {args.threads}; {args.requests} chat requests, {args.concurrency} concurrent, "
           f"{sum(b for _, b in jobs)} tokens requested (8-128 each, greedy, end-of-turn ignored)")
 
+    local_cpu = cpu_s()
     local = run_local(path, jobs, args.threads, args.concurrency, args.max_batch)
+    print(f"local: CPU seconds {cpu_s() - local_cpu:.2f} (model load and warm-up included) in {local[2]:.2f} s")
     if args.pin:
         os.sched_setaffinity(0, {1})  # the client from here on
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve.log", cpus=server_cpus)
         try:
-            served = run_server(port, jobs, args.concurrency)
-            streamed = run_server(port, jobs, args.concurrency, stream=True)
+            served = run_server(port, jobs, args.concurrency, pid=proc.pid)
+            streamed = run_server(port, jobs, args.concurrency, stream=True, pid=proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
         proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve-interval.log",
                                   args.stream_interval, cpus=server_cpus)
         try:
-            coarse = run_server(port, jobs, args.concurrency, stream=True)
+            coarse = run_server(port, jobs, args.concurrency, stream=True, pid=proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=30)

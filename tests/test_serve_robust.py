@@ -326,10 +326,12 @@ def test_a_reachable_host_without_a_key_is_warned_about():
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None, "stream_interval": 1}),
+    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None, "stream_interval": 1,
+          "latency_rows": 4}),
     (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000",
-      "--stream-interval", "8"],
-     {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000, "stream_interval": 8})])
+      "--stream-interval", "8", "--latency-rows", "0"],
+     {"weight_updates": True, "weights_root": "/srv/runs", "max_request_bytes": 1000, "stream_interval": 8,
+      "latency_rows": 0})])
 def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expected):
     from typer.testing import CliRunner
 
@@ -342,6 +344,7 @@ def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expecte
     assert result.exit_code == 0, result.output
     got = {k: (None if seen[k] is None else str(seen[k])) if k == "weights_root" else seen[k] for k in expected}
     assert got == expected
+    assert serve_module.LATENCY_ROWS == 4  # the Python entry points' default is the command's
 
 
 def test_uvicorn_runs_on_uvloop_and_httptools():

@@ -377,6 +377,11 @@ def serve(
     stream_interval: Annotated[int, typer.Option(
         "--stream-interval", min=1, help="Tokens per streamed chunk after a choice's first (vLLM's flag; 1 = every "
                                          "decode step's tokens as the step ends).")] = 1,
+    latency_rows: Annotated[int, typer.Option(
+        "--latency-rows", min=0, help="A request of at most this many choices (n) is latency-sensitive: while one "
+                                      "is queued or running, requests of more choices decode at most this many rows "
+                                      "together (the rest parked, resumed after), so its decode steps stay short; "
+                                      "0 = off.")] = 4,
 ) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API.
 
@@ -401,7 +406,8 @@ def serve(
         server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
                      api_key_env=api_key_env, chat_template=template, max_loras=max_loras,
                      weight_updates=enable_weight_updates, weights_root=weights_root,
-                     max_request_bytes=max_request_bytes, stream_interval=stream_interval)
+                     max_request_bytes=max_request_bytes, stream_interval=stream_interval,
+                     latency_rows=latency_rows)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (ConfigError, ValueError) as e:

@@ -218,13 +218,14 @@ def agent_program(path: str) -> Callable[..., Any]:
 
 
 def local_engine(model: Any, plan: Plan, engine: EngineConfig, partial: PartialRolloutConfig,
-                 version: int = 0) -> LocalEngine:
+                 version: int = 0, latency_rows: int = 0) -> LocalEngine:
     """The in-process engine over its own copy of the weights in ``model.dtype`` (``cast_copy``: the learner's float32
     copy keeps training; the engine's KV cache takes its dtype), whatever ``engine.type`` says: ``tether serve`` and
-    the trainer's own validation engine are local in every run."""
+    the trainer's own validation engine are local in every run. ``latency_rows``: ``LocalEngine``'s (``tether serve
+    --latency-rows``; rollouts' requests have no group, so it would not act on them)."""
     return LocalEngine(cast_copy(model, plan.dtype), version=version, max_batch=engine.max_batch_size,
                        seed=plan.seed, partial_rollout=partial.enabled, segment_length=partial.segment_length,
-                       deterministic=plan.deterministic)
+                       deterministic=plan.deterministic, latency_rows=latency_rows)
 
 
 def rollout_engine(model: Any, plan: Plan, engine_cfg: EngineConfig, partial: PartialRolloutConfig,

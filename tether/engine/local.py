@@ -13,8 +13,8 @@ One step of the worker loop:
      step), each starting from the longest cached prefix (a previous turn's cache, a shared system
      prompt; see ``prefix_cache.py``); prefill them as one batch and sample their first token. The order is
      fair across groups of requests (``fair_share.py``: the group running fewest first, and a group above its
-     share of a full batch interrupted for one below it); requests without a group, as rollouts', are admitted
-     first come, first served;
+     share of a full batch interrupted for one below it; with ``latency_rows``, large groups capped while a small
+     one waits or runs); requests without a group, as rollouts', are admitted first come, first served;
   3. one decode step for every running request; finished requests leave at once.
 Sampling (``sampling.py``) is one batched call per step. The truncation parameters (top_k, min_p) ride in it;
 the logit-shaping ones (penalties, logit_bias, min_tokens) are computed on the rows that have them only, from
@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams, TokenDelta
-from tether.engine.fair_share import next_index, victims
+from tether.engine.fair_share import NO_CAP, large_groups, next_index, over_cap, victims
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
@@ -188,7 +188,8 @@ class LocalEngine:
     def __init__(self, model: Any, *, version: int = 0, num_threads: int | None = None,
                  max_batch: int = 128, max_prefill_tokens: int = 2048, prefix_cache_size: int = 64,
                  recompute_on_update: bool = True, fast_path: bool = True, seed: int = 0,
-                 partial_rollout: bool = True, segment_length: int = 1, deterministic: bool = False):
+                 partial_rollout: bool = True, segment_length: int = 1, deterministic: bool = False,
+                 latency_rows: int = 0):
         """
         num_threads: ``torch.set_num_threads`` for the worker (process-wide; None leaves it alone).
         max_batch: most requests decoded together; more wait in a queue.
@@ -210,6 +211,10 @@ class LocalEngine:
             tokens and logprobs do not depend on which requests share a step (``trainer.deterministic``;
             see the module docstring). Costs the batching: decode time grows with the number of running
             requests instead of staying flat.
+        latency_rows: fair admission's latency cap (``fair_share.large_groups``): while a group of at most this many
+            requests is queued or running, groups of more hold at most this many rows together, the rest parked;
+            otherwise they are admitted at most this many rows a step. 0 = off. Requests without a group are never
+            capped (``tether serve --latency-rows``).
         """
         if segment_length < 1:
             raise ValueError(f"segment_length must be >= 1 decode step, got {segment_length}")
@@ -223,7 +228,7 @@ class LocalEngine:
         self._slots = SlotTable(self._runner, prefix_cache_size, reuse=not (problem or deterministic))
         self._max_len = model.config.max_position_embeddings
         self._vocab = model.get_output_embeddings().weight.shape[0]  # logits per row (logit_bias ids are checked)
-        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.max_batch, self.max_prefill_tokens, self.latency_rows = max_batch, max_prefill_tokens, latency_rows
         self.recompute_on_update, self.num_threads = recompute_on_update, num_threads
         self.partial_rollout, self.segment_length = partial_rollout, segment_length
         self._segment_steps = segment_length  # decode steps since the last update; starts at a point
@@ -450,12 +455,21 @@ class LocalEngine:
         starts: list[int] = []
         widest = 0
         draining = bool(self._updates) and not self.partial_rollout  # an update waits for the running to end
-        if (self._queue and len(slots.running) >= self.max_batch and not draining and self.partial_rollout
-                and not self.deterministic):
+        interrupts = self.partial_rollout and not self.deterministic  # resumed from parked caches
+        large, capped = large_groups(self._queue, slots.running, self.latency_rows) if self.latency_rows else NO_CAP
+        if large:  # a capped group's cancelled requests may not reach the front for long: drop them now
+            self._queue = deque(r for r in self._queue if not r.cancelled)
+        if capped and interrupts and not draining:
+            self._interrupt(over_cap(slots.running, large, self.latency_rows), "latency_parked")
+        if self._queue and len(slots.running) >= self.max_batch and not draining and interrupts:
             self._interrupt(victims(self._queue, slots.running, self.max_batch))
         counts = Counter(r.group for r in slots.running)
+        # rows the large groups may take this step: up to the cap while it is on, else ``latency_rows`` more
+        room = self.latency_rows - (sum(counts[g] for g in large) if capped else 0)
         while self._queue and len(slots.running) < self.max_batch and not draining:
-            i = next_index(self._queue, counts)
+            i = next_index(self._queue, counts, large if room <= 0 else ())
+            if i < 0:  # only capped groups wait
+                break
             req = self._queue[i]
             if req.cancelled:
                 del self._queue[i]
@@ -468,6 +482,7 @@ class LocalEngine:
             del self._queue[i]
             new.append(req)
             counts[req.group] += 1
+            room -= req.group in large
             starts.append(slots.place(req, entry, cached))
             widest = widest_next
         if new:
@@ -494,8 +509,9 @@ class LocalEngine:
                 self._emit(running[a:b], logits, version)
             self._retire()
 
-    def _interrupt(self, reqs: list[_Request]) -> None:
-        """Fair admission's interruption: park ``reqs``' caches and queue them first again, their tokens kept."""
+    def _interrupt(self, reqs: list[_Request], stat: str = "fair_interruptions") -> None:
+        """Fair admission's interruption: park ``reqs``' caches and queue them first again, their tokens kept;
+        counted in ``stats[stat]``."""
         if not reqs:
             return
         chosen = set(map(id, reqs))
@@ -505,7 +521,7 @@ class LocalEngine:
         for r in reversed(order):
             r.num_preempted += 1
             self._queue.appendleft(r)
-        self.stats["fair_interruptions"] += len(order)
+        self.stats[stat] += len(order)
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
         """Row ranges [a, b) of the n requests at hand that one forward computes: all of them together,

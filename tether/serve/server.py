@@ -56,26 +56,30 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
+LATENCY_ROWS = 4  # ``--latency-rows``' default (benchmarks/serve_load.py)
+
+
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
           weights_root: str | Path | None = None, max_request_bytes: int | None = None,
-          stream_interval: int = 1) -> tuple[FastAPI, Any]:
+          stream_interval: int = 1, latency_rows: int = LATENCY_ROWS) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``). ``max_loras``: LoRA adapters
     loaded at once (``/v1/load_lora_adapter``), each on a local engine of the same settings over a copy of the
     served weights (``tether.serve.adapters``). ``weight_updates``, ``weights_root`` (default: the checkpoint's
-    parent folder), ``max_request_bytes``, ``stream_interval``: ``make_app``'s."""
+    parent folder), ``max_request_bytes``, ``stream_interval``: ``make_app``'s. ``latency_rows``: the engines'
+    latency cap (``LocalEngine``'s, ``tether.engine.fair_share``)."""
     model, tokenizer = load_model_and_tokenizer(checkpoint, cfg.model.dtype)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     # the server *is* the local engine, whatever engine.type the training config rolls out with
     plan = Plan.of(cfg)
-    engine = local_engine(model, plan, cfg.engine, cfg.rollout.partial_rollout)
+    engine = local_engine(model, plan, cfg.engine, cfg.rollout.partial_rollout, latency_rows=latency_rows)
     del model  # the engine has its own copy
 
     def adapter_engine() -> Any:  # local_engine copies the served weights (already in the served dtype)
-        return local_engine(engine.model, plan, cfg.engine, cfg.rollout.partial_rollout, engine.version)
+        return local_engine(engine.model, plan, cfg.engine, cfg.rollout.partial_rollout, engine.version, latency_rows)
 
     app = make_app(engine, tokenizer, model_name=model_name, parser=cfg.tool_parser.name,
                    extra_stop_ids=tuple(cfg.tool_parser.stop_token_ids), api_key=api_key, max_loras=max_loras,
@@ -108,12 +112,12 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
           weights_root: str | Path | None = None, max_request_bytes: int | None = None, stream_interval: int = 1,
-          log: Callable[[str], None] | None = None) -> None:
+          latency_rows: int = LATENCY_ROWS, log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
     fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``,
-    ``weight_updates``, ``weights_root``, ``max_request_bytes``, ``stream_interval``: ``build``'s. Warns when a host
-    other than loopback is bound without a key: anyone who reaches it can generate (and, with ``weight_updates``,
-    replace the weights)."""
+    ``weight_updates``, ``weights_root``, ``max_request_bytes``, ``stream_interval``, ``latency_rows``: ``build``'s.
+    Warns when a host other than loopback is bound without a key: anyone who reaches it can generate (and, with
+    ``weight_updates``, replace the weights)."""
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     fixed_mmap_threshold()
@@ -124,7 +128,8 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
     name = model_name or Path(checkpoint).name
     app, engine = build(checkpoint, cfg, model_name=name, api_key=api_key, chat_template=chat_template,
                         max_loras=max_loras, weight_updates=weight_updates, weights_root=weights_root,
-                        max_request_bytes=max_request_bytes, stream_interval=stream_interval)
+                        max_request_bytes=max_request_bytes, stream_interval=stream_interval,
+                        latency_rows=latency_rows)
     try:
         actual = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
