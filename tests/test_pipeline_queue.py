@@ -4,6 +4,8 @@ import time
 
 import pytest
 
+from tether.config import load_config
+from tether.config.plan import Plan
 from tether.pipeline.queue import MessageQueue, QueuedGroup
 from tether.pipeline.staleness import stale_filter
 from tether.types import Group, Trajectory
@@ -69,6 +71,77 @@ def test_windowed_get_batch_waits_for_the_straggler():
     assert [g.seq for g in q.get_batch(2, timeout=5)] == [3, 7]
     assert time.monotonic() - t < 2
     assert [g.seq for g in q.get_batch(2, timeout=0)] == [8, 9]
+
+
+class Clock:
+    """A hand-moved clock for ``MessageQueue(clock=...)``: hold times by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def held(seq: int, finished: float) -> QueuedGroup:
+    return QueuedGroup(group(1, 0, f"task{seq}"), seq, 0, finish_time=finished)
+
+
+def test_max_hold_s_lets_a_held_group_pass_the_window_by_hand():
+    clock = Clock()
+    q = MessageQueue(max_size=16, window_size=4, max_hold_s=1.0, clock=clock)
+    for s, finished in [(0, 0.0), (1, 0.0), (2, 0.0), (7, 0.2), (8, 0.6), (9, 0.9)]:  # 3 is still running
+        q.put(held(s, finished))
+    assert [g.seq for g in q.get_batch(3, timeout=0)] == [0, 1, 2]  # window [3, 7) now
+    clock.now = 1.1  # 7 has waited 0.9 s: held
+    assert q.get_batch(1, timeout=0) is None
+    clock.now = 1.2  # 7 has waited 1.0 s: it passes; 8 (0.6 s) and 9 (0.3 s) are still held
+    assert [g.seq for g in q.get_available()] == [7]
+    assert oldest_unconsumed(q) == 3  # the window did not move: 3 is still the oldest unconsumed
+    clock.now = 1.6
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [8]
+    q.put(held(3, 1.6))  # the straggler: the oldest, taken at once
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [3]
+    assert oldest_unconsumed(q) == 4  # 4, 5, 6 have not finished: window [4, 8), 9 is held again
+    assert q.get_available() == []
+    clock.now = 2.0  # 9 has waited 1.1 s
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [9]
+    q.check_accounting()
+
+
+def test_max_hold_s_none_holds_until_the_window_reaches_it_and_fifo_ignores_it():
+    clock = Clock()
+    strict = MessageQueue(max_size=16, window_size=2, max_hold_s=None, clock=clock)
+    strict.put(held(5, 0.0))
+    clock.now = 1e6
+    assert strict.get_available() == []  # window [0, 2): 5 waits for 0..3 however long
+    assert MessageQueue(max_size=4, window_size=None, max_hold_s=1.0).max_hold_s is None  # fifo holds nothing
+    with pytest.raises(ValueError, match="max_hold_s"):
+        MessageQueue(max_size=4, window_size=2, max_hold_s=-1.0)
+
+
+@pytest.mark.parametrize("value, expected", [("null", None), ("0.5", [7, 8])])
+def test_rollout_scheduler_max_hold_s_decides_whether_held_groups_pass_the_window(value, expected):
+    # the flip test of rollout.scheduler.max_hold_s: the config's queue (Plan → AsyncSource's make_queue arguments)
+    plan = Plan.of(load_config([], ["rollout.mode=fully_async", "rollout.scheduler.window_size=4",
+                                    f"rollout.scheduler.max_hold_s={value}"]))
+    clock = Clock()
+    q = MessageQueue(plan.queue_size, plan.window_size, plan.max_hold_s, clock=clock)
+    for s in (0, 1, 2, 7, 8):  # 3 is still running: window [3, 7) after 0, 1, 2
+        q.put(held(s, 0.0))
+    assert [g.seq for g in q.get_batch(3, timeout=0)] == [0, 1, 2]
+    clock.now = 0.6
+    got = q.get_batch(2, timeout=0)  # 7 and 8 have waited 0.6 s
+    assert (got if got is None else [g.seq for g in got]) == expected
+
+
+def test_a_blocked_get_batch_wakes_when_a_held_group_comes_due():
+    q = MessageQueue(max_size=8, window_size=2, max_hold_s=0.1)
+    q.put(qg(0))
+    q.put(qg(5))  # outside the window [0, 2); finished now, due in 0.1 s; nothing else will arrive
+    t = time.monotonic()
+    assert [g.seq for g in q.get_batch(2, timeout=5)] == [0, 5]
+    assert 0.09 <= time.monotonic() - t < 2
 
 
 def test_abandon_moves_the_window():
