@@ -120,11 +120,12 @@ def test_max_hold_s_none_holds_until_the_window_reaches_it_and_fifo_ignores_it()
         MessageQueue(max_size=4, window_size=2, max_hold_s=-1.0)
 
 
-@pytest.mark.parametrize("value, expected", [("null", None), ("0.5", [7, 8])])
+@pytest.mark.parametrize("value, expected", [("null", None), ("0.5", [7, 8]), ("0.7", None), (None, [7, 8])])
 def test_rollout_scheduler_max_hold_s_decides_whether_held_groups_pass_the_window(value, expected):
-    # the flip test of rollout.scheduler.max_hold_s: the config's queue (Plan → AsyncSource's make_queue arguments)
-    plan = Plan.of(load_config([], ["rollout.mode=fully_async", "rollout.scheduler.window_size=4",
-                                    f"rollout.scheduler.max_hold_s={value}"]))
+    # the flip test of rollout.scheduler.max_hold_s: the config's queue (Plan → AsyncSource's make_queue arguments);
+    # None: the key left at its default, 0.25 s
+    hold = [] if value is None else [f"rollout.scheduler.max_hold_s={value}"]
+    plan = Plan.of(load_config([], ["rollout.mode=fully_async", "rollout.scheduler.window_size=4", *hold]))
     clock = Clock()
     q = MessageQueue(plan.queue_size, plan.window_size, plan.max_hold_s, clock=clock)
     for s in (0, 1, 2, 7, 8):  # 3 is still running: window [3, 7) after 0, 1, 2
