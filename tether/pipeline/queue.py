@@ -58,8 +58,8 @@ def _samples(items: Iterable[QueuedGroup | Group]) -> int:
 class MessageQueue:
     """``MessageQueue(max_size, window_size=None, max_hold_s=None)``; ``window_size=None`` is ``fifo``, an int is
     ``windowed_fifo`` (see ``scheduler.py``; ``scheduler.window_for`` maps the config); ``max_hold_s``: how long
-    a finished group may be held outside the window (None: until the window reaches it). ``clock``: the seconds
-    that ``QueuedGroup.finish_time`` is measured in (``time.monotonic``)."""
+    a finished group may be held outside the window (None: until the window reaches it), counted from its ``put``
+    on ``clock`` (the queue's own: under ``backend: ray`` the producer's clock may be another machine's)."""
 
     def __init__(self, max_size: int, window_size: int | None = None, max_hold_s: float | None = None, *,
                  clock: Callable[[], float] = time.monotonic):
@@ -71,6 +71,7 @@ class MessageQueue:
         self.max_hold_s = max_hold_s if window_size is not None else None  # fifo holds nothing
         self._clock = clock
         self._items: dict[int, QueuedGroup] = {}  # seq -> group, in finish (arrival) order
+        self._arrived: dict[int, float] = {}  # seq -> clock() at its put
         self._order = StartOrder()
         self._auto_seq: bool | None = None  # whether put() numbers groups itself (decided by the first put)
         self._next_auto_seq = 0
@@ -95,12 +96,13 @@ class MessageQueue:
                 raise ValueError("put() got both bare Groups and QueuedGroups: number every group or none")
             if isinstance(item, Group):  # auto
                 v = oldest_version(item)
-                item = QueuedGroup(item, self._next_auto_seq, -1 if v is None else v, finish_time=self._clock())
+                item = QueuedGroup(item, self._next_auto_seq, -1 if v is None else v)
                 self._next_auto_seq += 1
             if item.seq in self._items or self._order.is_retired(item.seq):
                 raise ValueError(f"group with start position {item.seq} put twice")
             self._produced += item.num_samples
             self._items[item.seq] = item
+            self._arrived[item.seq] = self._clock()
             self._queued += item.num_samples
             if len(self._items) > self.max_size:
                 self._drop(min(self._items))
@@ -109,6 +111,7 @@ class MessageQueue:
 
     def _drop(self, seq: int) -> None:
         victim = self._items.pop(seq)
+        del self._arrived[seq]
         self._order.retire(seq)
         self._queued -= victim.num_samples
         self._dropped += victim.num_samples
@@ -139,7 +142,7 @@ class MessageQueue:
         if self.max_hold_s is None:
             return set()
         now = self._clock()
-        return {s for s, q in self._items.items() if now - q.finish_time >= self.max_hold_s}
+        return {s for s, t in self._arrived.items() if now - t >= self.max_hold_s}
 
     def _next_due_in(self) -> float | None:
         """Seconds until the next queued group becomes overdue (None: none will; one overdue already may be
@@ -147,7 +150,7 @@ class MessageQueue:
         if self.max_hold_s is None:
             return None
         now = self._clock()
-        waits = [q.finish_time + self.max_hold_s - now for q in self._items.values()]
+        waits = [t + self.max_hold_s - now for t in self._arrived.values()]
         future = [w for w in waits if w > 0]
         return min(future) if future else None
 
@@ -156,6 +159,8 @@ class MessageQueue:
         if len(seqs) < n and not partial:
             return None
         batch = [self._items.pop(s) for s in seqs]
+        for s in seqs:
+            del self._arrived[s]
         for s in seqs:
             self._order.retire(s)
         got = _samples(batch)
