@@ -18,7 +18,9 @@ the rollout, so step − rollout time is no measure of it), T_engine the engine'
 (``perf/engine_busy_s``). Ideal throughput = min(B / (T_learner + T_engine), C / T_group), against the measured
 sync throughput; B is the batch size, G the group size; medians over steps. (With the trainer and the engine on
 separate devices the first bound is B / T_learner instead.) T_group is measured in the sync run, where fewer
-groups share the engine than in an async one, so the bound is optimistic.
+groups share the engine than in an async one, so the bound is optimistic. It is a steady-state rate, too: the last
+lines split each async run into its first step (the pipeline's fill: the trainer waits for the first B of the C
+trajectories started together), the steps after it (their rate against the ideal) and the set-up and evaluation.
 """
 
 from __future__ import annotations
