@@ -18,7 +18,9 @@ the rollout, so step − rollout time is no measure of it), T_engine the engine'
 (``perf/engine_busy_s``). Ideal throughput = min(B / (T_learner + T_engine), C / T_group), against the measured
 sync throughput; B is the batch size, G the group size; medians over steps. (With the trainer and the engine on
 separate devices the first bound is B / T_learner instead.) T_group is measured in the sync run, where fewer
-groups share the engine than in an async one, so the bound is optimistic.
+groups share the engine than in an async one, so the bound is optimistic. It is a steady-state rate, too: the last
+lines split each async run into its first step (the pipeline's fill: the trainer waits for the first B of the C
+trajectories started together), the steps after it (their rate against the ideal) and the set-up and evaluation.
 """
 
 from __future__ import annotations
@@ -136,6 +138,15 @@ def main() -> None:
     for mode, speedup, ideal, per_episode in lines[1:]:
         print(f"speedup {mode}/sync = {speedup:.2f} (ideal {ideal:.2f}; with C / T_episode, no bound: "
               f"{per_episode:.2f})")
+    # where the async modes lose against the ideal: the pipeline's fill (the first step waits for the first B of
+    # C trajectories in flight) and the set-up and evaluation inside the wall time, which the ideal leaves out
+    for mode, _, ideal, _ in lines[1:]:
+        rows = results[mode][1]
+        first, rest = rows[0]["perf/step_time"], sum(r["perf/step_time"] for r in rows[1:])
+        steady = (len(rows) - 1) * batch / rest / sync_rate if rest > 0 else float("nan")
+        print(f"{mode}: first step {first:.2f} s (waited {first * rows[0]['perf/trainer_idle_ratio']:.2f} s), "
+              f"steps 2-{len(rows)} {steady:.2f}x sync ({steady / ideal:.0%} of ideal), set-up and evaluation "
+              f"{results[mode][0] - first - rest:.2f} s")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import time
 
 import pytest
 
+from tether.config import load_config
+from tether.config.plan import Plan
 from tether.pipeline.queue import MessageQueue, QueuedGroup
 from tether.pipeline.staleness import stale_filter
 from tether.types import Group, Trajectory
@@ -69,6 +71,79 @@ def test_windowed_get_batch_waits_for_the_straggler():
     assert [g.seq for g in q.get_batch(2, timeout=5)] == [3, 7]
     assert time.monotonic() - t < 2
     assert [g.seq for g in q.get_batch(2, timeout=0)] == [8, 9]
+
+
+class Clock:
+    """A hand-moved clock for ``MessageQueue(clock=...)``: hold times by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put_at(q: MessageQueue, clock: Clock, seq: int, now: float) -> None:
+    """Put group ``seq`` at time ``now``: the hold counts from the put."""
+    clock.now = now
+    q.put(qg(seq))
+
+
+def test_max_hold_s_lets_a_held_group_pass_the_window_by_hand():
+    clock = Clock()
+    q = MessageQueue(max_size=16, window_size=4, max_hold_s=1.0, clock=clock)
+    for s, finished in [(0, 0.0), (1, 0.0), (2, 0.0), (7, 0.2), (8, 0.6), (9, 0.9)]:  # 3 is still running
+        put_at(q, clock, s, finished)
+    assert [g.seq for g in q.get_batch(3, timeout=0)] == [0, 1, 2]  # window [3, 7) now
+    clock.now = 1.1  # 7 has waited 0.9 s: held
+    assert q.get_batch(1, timeout=0) is None
+    clock.now = 1.2  # 7 has waited 1.0 s: it passes; 8 (0.6 s) and 9 (0.3 s) are still held
+    assert [g.seq for g in q.get_available()] == [7]
+    assert oldest_unconsumed(q) == 3  # the window did not move: 3 is still the oldest unconsumed
+    put_at(q, clock, 3, 1.6)  # the straggler: the oldest, taken at once
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [8]  # 8 finished first (at 0.6) and has waited 1.0 s
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [3]
+    assert oldest_unconsumed(q) == 4  # 4, 5, 6 have not finished: window [4, 8), 9 is held again
+    assert q.get_available() == []
+    clock.now = 2.0  # 9 has waited 1.1 s
+    assert [g.seq for g in q.get_batch(1, timeout=0)] == [9]
+    q.check_accounting()
+
+
+def test_max_hold_s_none_holds_until_the_window_reaches_it_and_fifo_ignores_it():
+    clock = Clock()
+    strict = MessageQueue(max_size=16, window_size=2, max_hold_s=None, clock=clock)
+    put_at(strict, clock, 5, 0.0)
+    clock.now = 1e6
+    assert strict.get_available() == []  # window [0, 2): 5 waits for 0..3 however long
+    assert MessageQueue(max_size=4, window_size=None, max_hold_s=1.0).max_hold_s is None  # fifo holds nothing
+    with pytest.raises(ValueError, match="max_hold_s"):
+        MessageQueue(max_size=4, window_size=2, max_hold_s=-1.0)
+
+
+@pytest.mark.parametrize("value, expected", [("null", None), ("0.5", [7, 8]), ("0.7", None), (None, [7, 8])])
+def test_rollout_scheduler_max_hold_s_decides_whether_held_groups_pass_the_window(value, expected):
+    # the flip test of rollout.scheduler.max_hold_s: the config's queue (Plan → AsyncSource's make_queue arguments);
+    # None: the key left at its default, 0.25 s
+    hold = [] if value is None else [f"rollout.scheduler.max_hold_s={value}"]
+    plan = Plan.of(load_config([], ["rollout.mode=fully_async", "rollout.scheduler.window_size=4", *hold]))
+    clock = Clock()
+    q = MessageQueue(plan.queue_size, plan.window_size, plan.max_hold_s, clock=clock)
+    for s in (0, 1, 2, 7, 8):  # 3 is still running: window [3, 7) after 0, 1, 2
+        put_at(q, clock, s, 0.0)
+    assert [g.seq for g in q.get_batch(3, timeout=0)] == [0, 1, 2]
+    clock.now = 0.6
+    got = q.get_batch(2, timeout=0)  # 7 and 8 have waited 0.6 s
+    assert (got if got is None else [g.seq for g in got]) == expected
+
+
+def test_a_blocked_get_batch_wakes_when_a_held_group_comes_due():
+    q = MessageQueue(max_size=8, window_size=2, max_hold_s=0.1)
+    q.put(qg(0))
+    q.put(qg(5))  # outside the window [0, 2); finished now, due in 0.1 s; nothing else will arrive
+    t = time.monotonic()
+    assert [g.seq for g in q.get_batch(2, timeout=5)] == [0, 5]
+    assert 0.09 <= time.monotonic() - t < 2
 
 
 def test_abandon_moves_the_window():
@@ -178,3 +253,47 @@ def test_accounting_invariant_under_4_producers_and_1_consumer(window):
     assert q.total_produced == q.total_consumed + q.dropped_samples + q.stale_samples
     assert q.dropped_groups > 0 and q.stale_samples > 0  # both paths exercised
     assert oldest_unconsumed(q) == 4 * per_producer  # every start position retired exactly once
+
+
+@pytest.mark.parametrize("hold", [None, 0.05])
+def test_fully_async_trainer_takes_past_a_straggler_that_holds_the_window_after_max_hold_s(hold):
+    # the async source end to end: 2 groups a step, window 2, admission 3 steps ahead (6 groups, seq 0..5 at once);
+    # group (step 1, index 0) = seq 0 runs 1.5 s, the others 0.01 s. Window [0, 2): only seq 1 is in it.
+    import asyncio
+
+    from conftest import batch_source
+    from tether.config import RunConfig
+    from tether.pipeline.shaping import Produced
+    from tether.pipeline.weights import WeightSync
+    from tether.types import Task
+
+    class Straggler:
+        async def produce(self, task, size, step, index):
+            await asyncio.sleep(1.5 if (step, index) == (1, 0) else 0.01)
+            return Produced(group(size, 0, task.id), step, index)
+
+    cfg = RunConfig.model_validate({
+        "learner": {"batch_size": 8, "mini_batch_size": 8, "gradient_accumulation_steps": 1},
+        "policy_optimization": {"advantage": {"group_size": 4}}, "buffer": {"type": "fifo"},
+        "trainer": {"trigger_parameter_sync_step": 1},
+        "rollout": {"mode": "fully_async", "worker": {"max_concurrent_tasks": 64},
+                    "scheduler": {"max_staleness": 2, "window_size": 2, "max_hold_s": hold}}})
+    source = batch_source(cfg, Straggler(), lambda step: [Task(f"s{step}k{k}", "train", "k") for k in range(2)],
+                          WeightSync(None, None, 1), start_step=0, sizes=lambda ts: [4] * len(ts))
+    try:
+        t = time.monotonic()
+        first = [(p.step, p.index) for p in source.next_batch(1).produced]
+        waited = time.monotonic() - t
+        if hold is None:  # strictly bounded reordering: seq 2.. wait for the straggler, and so does the trainer
+            assert first == [(1, 0), (1, 1)] and waited >= 1.0
+        else:  # seq 2 (finished first outside the window) passes after 0.05 s
+            assert first == [(1, 1), (2, 0)] and waited < 1.0
+            assert source.state_dict()["ledger"] == {"frontier": 0, "beyond": {"1": [1], "2": [0]}}
+        # the versions never move, so admission allows these 6 groups only: the next two batches take the rest,
+        # the straggler included, and each group is settled exactly once
+        rest = [(p.step, p.index) for s in (2, 3) for p in source.next_batch(s).produced]
+        assert sorted(first + rest) == [(s, k) for s in (1, 2, 3) for k in (0, 1)]
+        assert source.state_dict()["ledger"] == {"frontier": 3, "beyond": {}}
+        source.check_accounting()
+    finally:
+        source.close()

@@ -64,6 +64,21 @@ def test_plan_batch_slides_the_window_inside_a_batch():
     assert order.oldest_unconsumed == 0  # planning does not retire
 
 
+def test_overdue_groups_may_pass_the_window_in_finish_order():
+    # finished (in finish order) 9, 4, 8, 7; oldest unconsumed 2, window 4 → window [2, 6) holds only 4
+    assert select([9, 4, 8, 7], 2, 4, 10) == [4]
+    # 8 and 9 have been held max_hold_s: they pass, in finish order; 7 (not overdue) still waits
+    assert select([9, 4, 8, 7], 2, 4, 10, overdue={8, 9}) == [9, 4, 8]
+    assert select([9, 4, 8, 7], 2, 4, 2, overdue={8, 9}) == [9, 4]
+    # inside a batch: taking 2 (overdue or not) slides the window to [3, 7), which lets 6 in
+    order = StartOrder()
+    order.retire(0)
+    order.retire(1)
+    assert plan_batch([9, 2, 6], order, 4, 3) == [2, 6]  # window [2, 6) then [3, 7)
+    assert plan_batch([9, 2, 6], order, 4, 3, overdue={9}) == [9, 2, 6]
+    assert order.oldest_unconsumed == 2  # planning does not retire
+
+
 def test_window_for_config():
     assert window_for("fifo", 64) is None
     assert window_for("windowed_fifo", 64) == 64

@@ -65,7 +65,8 @@ def inert_values(cfg: RunConfig) -> list[str]:
         set_here = _explicit(cfg)
         for key in ("buffer.type", "buffer.freshness_weight", "buffer.diversity_weight",
                     "rollout.partial_rollout.replay_buffer_size", "buffer.stale_filter.max_policy_lag",
-                    "rollout.scheduler.max_staleness", "rollout.scheduler.type", "rollout.scheduler.window_size"):
+                    "rollout.scheduler.max_staleness", "rollout.scheduler.type", "rollout.scheduler.window_size",
+                    "rollout.scheduler.max_hold_s"):
             if key in set_here:
                 out.append(f"{key} acts in the async modes only: rollout.mode is sync, where every step trains the "
                            f"groups generated for it with the current weights (nothing waits, nothing is stale)")

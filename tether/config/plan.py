@@ -48,6 +48,7 @@ class Plan:
     max_policy_lag: int | None  # the stale filter at consumption (None: off)
     queue_size: int  # the MessageQueue's capacity, in groups
     window_size: int | None  # windowed_fifo's window (None: plain fifo)
+    max_hold_s: float | None  # windowed_fifo: seconds a finished group waits outside the window (None: no limit)
     # -- evaluation
     eval_tasks: int
     # -- secrets: the environment variables the config's ``Secret`` values read (``${VAR}``), which a process
@@ -76,6 +77,7 @@ class Plan:
             max_policy_lag=stale.max_policy_lag if stale.enabled else None,
             queue_size=cfg.message_queue.max_queue_size,
             window_size=ro.scheduler.window_size if ro.scheduler.type == "windowed_fifo" else None,
+            max_hold_s=ro.scheduler.max_hold_s if ro.scheduler.type == "windowed_fifo" else None,
             eval_tasks=tr.eval_tasks or cfg.environment.num_eval_tasks,
             secret_variables=tuple(secret_variables(cfg)),
         )

@@ -213,6 +213,11 @@ class SchedulerConfig(Section):
     within a window of start positions (windowed_fifo: bounded reordering, ``tether.pipeline.scheduler``)."""
     window_size: PosInt = 64
     """The windowed_fifo window, in groups (start positions after the oldest unconsumed group)."""
+    max_hold_s: NonNegFloat | None = 0.25
+    """windowed_fifo: the longest a finished group outside the window waits for it, in seconds; then it may be
+    taken past the window, so a straggler holding the window cannot starve the trainer (null: it waits until the
+    window reaches it, strictly bounded reordering; 0: as fifo). The straggler itself is never overtaken for
+    longer than it runs: being the oldest, it is taken as soon as it finishes."""
     max_staleness: NonNegInt = 4
     """Admission control: how many parameter versions the rollouter may run ahead of the trainer, in versions
     (async modes; one_step_off_policy uses min(1, this)); 0 = the sync schedule."""

@@ -326,8 +326,8 @@ class QueueWorker:
     """The MessageQueue as an actor (threaded: a blocking ``get_batch`` must not hold up ``put``); every method
     is the MessageQueue's own."""
 
-    def __init__(self, max_size: int, window_size: int | None):
-        self.queue = MessageQueue(max_size, window_size)
+    def __init__(self, max_size: int, window_size: int | None, max_hold_s: float | None = None):
+        self.queue = MessageQueue(max_size, window_size, max_hold_s)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.queue, method)(*args, **kwargs)
@@ -385,14 +385,14 @@ class RayParts:
                   teacher: bool = False) -> RemoteRollouter:
         return RemoteRollouter(self.handle, greedy=greedy, rewards=rewards, teacher=teacher)
 
-    def make_queue(self, max_size: int, window_size: int | None) -> RemoteQueue:
+    def make_queue(self, max_size: int, window_size: int | None, max_hold_s: float | None = None) -> RemoteQueue:
         """The MessageQueue of the async modes, started as a QueueWorker actor (owned by this, the trainer's,
         process: it ends with the run)."""
         import ray  # noqa: PLC0415 — the optional extra ``ray``
 
         started = time.perf_counter()
-        self.queue_actor = ray.remote(QueueWorker).options(num_cpus=0, max_concurrency=16,
-                                                           **self.queue_options).remote(max_size, window_size)
+        worker = ray.remote(QueueWorker).options(num_cpus=0, max_concurrency=16, **self.queue_options)
+        self.queue_actor = worker.remote(max_size, window_size, max_hold_s)
         queue = RemoteQueue(self.queue_actor)
         queue.metrics()  # started and answering before the rollouter puts into it
         record_metric("ray/queue_start_s", time.perf_counter() - started, "last")

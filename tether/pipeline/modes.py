@@ -150,7 +150,7 @@ class AsyncSource:
         self.hacking_patterns = hacking_patterns
         self.normalization = normalization
         self.max_policy_lag = plan.max_policy_lag
-        self.queue = make_queue(plan.queue_size, plan.window_size)
+        self.queue = make_queue(plan.queue_size, plan.window_size, plan.max_hold_s)
         # Admission counts groups per parameter version: one version is pushed every sync_every steps.
         self.admission = AdmissionController(plan.max_staleness, plan.groups_per_version,
                                              initial_version=weights.version)
@@ -306,7 +306,7 @@ def make_source(plan: Plan, producer: GroupProducer, batch_tasks: Callable[[int]
                 normalization: Normalization = "group", hacking_patterns: tuple[str, ...] = (),
                 state: dict | None = None, make_queue: Callable[..., MessageQueue] | None = None) -> BatchSource:
     """The batch source of ``plan.mode``; ``state`` is a checkpoint's ``BatchSource.state_dict()``;
-    ``make_queue(max_size, window_size)`` makes the MessageQueue (another actor's under ``backend: ray``);
+    ``make_queue(max_size, window_size, max_hold_s)`` makes the MessageQueue (another actor's under ``backend: ray``);
     ``buffer`` and ``replay_buffer_size`` (``rollout.partial_rollout.replay_buffer_size``) shape the replay buffer
     of the async modes."""
     state = state or {}

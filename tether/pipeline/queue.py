@@ -4,7 +4,9 @@ Bounded by ``max_size`` **groups** (``message_queue.max_queue_size``). ``put`` n
 queue is full the **oldest** group is dropped, oldest meaning earliest *started* (lowest ``seq``, hence
 the stalest policy; for groups that arrive in start order this is verl's drop-the-head). That may be the
 group being put, when it is a straggler older than everything queued. The consumer takes batches in
-the order of ``scheduler`` (``fifo`` or ``windowed_fifo``). With ``windowed_fifo``, make ``max_size``
+the order of ``scheduler`` (``fifo`` or ``windowed_fifo``, whose ``max_hold_s`` lets a finished group that has
+waited that long past the window; a blocked ``get_batch`` wakes when one comes due). With ``windowed_fifo``, make
+``max_size``
 at least the admission bound ((max_staleness + 1) · groups_per_step): a queue full of groups outside the
 window can only make progress by dropping the in-window groups as they arrive.
 
@@ -23,7 +25,7 @@ Thread-safe; ``put``, ``abandon`` and ``get_available`` never block and are safe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,14 +56,22 @@ def _samples(items: Iterable[QueuedGroup | Group]) -> int:
 
 
 class MessageQueue:
-    """``MessageQueue(max_size, window_size=None)``; ``window_size=None`` is ``fifo``, an int is
-    ``windowed_fifo`` (see ``scheduler.py``; ``scheduler.window_for`` maps the config)."""
+    """``MessageQueue(max_size, window_size=None, max_hold_s=None)``; ``window_size=None`` is ``fifo``, an int is
+    ``windowed_fifo`` (see ``scheduler.py``; ``scheduler.window_for`` maps the config); ``max_hold_s``: how long
+    a finished group may be held outside the window (None: until the window reaches it), counted from its ``put``
+    on ``clock`` (the queue's own: under ``backend: ray`` the producer's clock may be another machine's)."""
 
-    def __init__(self, max_size: int, window_size: int | None = None):
+    def __init__(self, max_size: int, window_size: int | None = None, max_hold_s: float | None = None, *,
+                 clock: Callable[[], float] = time.monotonic):
         if max_size < 1:
             raise ValueError(f"message_queue.max_queue_size must be >= 1, got {max_size}")
+        if max_hold_s is not None and max_hold_s < 0:
+            raise ValueError(f"rollout.scheduler.max_hold_s must be >= 0, got {max_hold_s}")
         self.max_size, self.window_size = max_size, window_size
+        self.max_hold_s = max_hold_s if window_size is not None else None  # fifo holds nothing
+        self._clock = clock
         self._items: dict[int, QueuedGroup] = {}  # seq -> group, in finish (arrival) order
+        self._arrived: dict[int, float] = {}  # seq -> clock() at its put
         self._order = StartOrder()
         self._auto_seq: bool | None = None  # whether put() numbers groups itself (decided by the first put)
         self._next_auto_seq = 0
@@ -92,6 +102,7 @@ class MessageQueue:
                 raise ValueError(f"group with start position {item.seq} put twice")
             self._produced += item.num_samples
             self._items[item.seq] = item
+            self._arrived[item.seq] = self._clock()
             self._queued += item.num_samples
             if len(self._items) > self.max_size:
                 self._drop(min(self._items))
@@ -100,6 +111,7 @@ class MessageQueue:
 
     def _drop(self, seq: int) -> None:
         victim = self._items.pop(seq)
+        del self._arrived[seq]
         self._order.retire(seq)
         self._queued -= victim.num_samples
         self._dropped += victim.num_samples
@@ -125,11 +137,30 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ consumer side
 
+    def _overdue(self) -> set[int]:
+        """Queued groups held ``max_hold_s`` or longer: they may be taken past the window."""
+        if self.max_hold_s is None:
+            return set()
+        now = self._clock()
+        return {s for s, t in self._arrived.items() if now - t >= self.max_hold_s}
+
+    def _next_due_in(self) -> float | None:
+        """Seconds until the next queued group becomes overdue (None: none will; one overdue already may be
+        taken now, so it sets no deadline)."""
+        if self.max_hold_s is None:
+            return None
+        now = self._clock()
+        waits = [t + self.max_hold_s - now for t in self._arrived.values()]
+        future = [w for w in waits if w > 0]
+        return min(future) if future else None
+
     def _take_locked(self, n: int, *, partial: bool = False) -> list[QueuedGroup] | None:
-        seqs = plan_batch(list(self._items), self._order, self.window_size, n)
+        seqs = plan_batch(list(self._items), self._order, self.window_size, n, self._overdue())
         if len(seqs) < n and not partial:
             return None
         batch = [self._items.pop(s) for s in seqs]
+        for s in seqs:
+            del self._arrived[s]
         for s in seqs:
             self._order.retire(s)
         got = _samples(batch)
@@ -149,8 +180,17 @@ class MessageQueue:
         """Block until ``n`` groups may be taken under the schedule and take them (in consumption order);
         ``None`` on timeout, or when closed with fewer than ``n`` takeable."""
         self._check_n(n)
-        r = self._signal.wait(lambda: self._attempt(n), timeout)
-        return None if r is _CLOSED else r
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # with max_hold_s, wake when a held group comes due as well as on a put
+            with self._signal.lock:
+                due = self._next_due_in()
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            wait = left if due is None else (due if left is None else min(due, left))
+            r = self._signal.wait(lambda: self._attempt(n), wait)
+            if r is not None:
+                return None if r is _CLOSED else r
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def get_available(self) -> list[QueuedGroup]:
         """Every group that may be taken now under the schedule (possibly none); never blocks."""

@@ -16,6 +16,15 @@ queue, or abandoned by the rollouter (an episode that failed and will never arri
   inside it, while nothing started W or more positions after the oldest unconsumed group can overtake
   it (bounded reordering). Taking the oldest group slides the window, also within one batch
   (``plan_batch``). W = 1 is strict start order; W = ∞ is ``fifo``.
+- ``max_hold_s`` (``windowed_fifo`` only; None = no limit): a finished group outside the window that has waited
+  ``max_hold_s`` seconds since it finished is *overdue* and may be taken past the window, in finish order with
+  the others. So the bound reads: nothing started W or more positions after the oldest unconsumed group
+  overtakes it unless it has already waited ``max_hold_s``. Why: a group whose episodes wait on slow tools can
+  hold the window for many steps, and then the trainer starves with finished groups in the queue (measured on
+  ``benchmarks/async_vs_sync.py``: ten finished groups held while the trainer waited) — and a held group keeps
+  its admission slot (``staleness.AdmissionController`` counts it until the trainer's version moves on), so
+  fewer groups are generated, too. The hold bounds both; the straggler itself is never skipped: it is taken as
+  soon as it finishes, being the oldest.
 
 The phrase "windowed FIFO" comes from the seed config; no system in reference/notes/async.md uses it.
 The closest is AReaL's oldest-first draining inside its admission window of (η + 1)·B groups.
@@ -26,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
@@ -46,17 +55,18 @@ def window_for(type: SchedulerType, window_size: int) -> int | None:
 
 
 def select(pending_finished: Sequence[int], oldest_unconsumed_seq: int, window_size: int | None,
-           n: int) -> list[int]:
+           n: int, overdue: Collection[int] = ()) -> list[int]:
     """Up to ``n`` start positions to consume now, in consumption order, with the window held fixed.
 
     ``pending_finished``: start positions of the finished, unconsumed groups, in finish order.
     Returns the first ``n`` of them that lie in ``[oldest_unconsumed_seq, oldest_unconsumed_seq +
-    window_size)`` (every one when ``window_size`` is None, i.e. ``fifo``).
+    window_size)`` or in ``overdue`` (held ``max_hold_s`` already); every one when ``window_size`` is None
+    (``fifo``).
     """
     if window_size is None:
         return list(pending_finished[:n])
     limit = oldest_unconsumed_seq + window_size
-    return [s for s in pending_finished if s < limit][:n]
+    return [s for s in pending_finished if s < limit or s in overdue][:n]
 
 
 class StartOrder:
@@ -89,17 +99,19 @@ class StartOrder:
         return s
 
 
-def plan_batch(pending_finished: Sequence[int], order: StartOrder, window_size: int | None, n: int) -> list[int]:
+def plan_batch(pending_finished: Sequence[int], order: StartOrder, window_size: int | None, n: int,
+               overdue: Collection[int] = ()) -> list[int]:
     """Up to ``n`` start positions for one batch, letting the window slide as the batch takes its oldest.
 
     Repeats ``select`` on what is left, treating the positions chosen so far as retired, until ``n`` are
-    chosen or nothing more fits. ``order`` is not changed.
+    chosen or nothing more fits. ``overdue``: positions that may be taken past the window (``select``).
+    ``order`` is not changed.
     """
     chosen: list[int] = []
     while len(chosen) < n:
         taken = set(chosen)
         rest = [s for s in pending_finished if s not in taken]
-        more = select(rest, order.oldest_after(chosen), window_size, n - len(chosen))
+        more = select(rest, order.oldest_after(chosen), window_size, n - len(chosen), overdue)
         if not more:
             break
         chosen += more
