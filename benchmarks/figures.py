@@ -212,6 +212,16 @@ def last_line(prefix: str) -> Callable[[str], str]:
     return lambda out: find(rf"^({re.escape(prefix)}.+)$", out, f"'{prefix}…' line").group(1).strip()
 
 
+def serve_load(out: str) -> str:
+    idle = find(r"^idle +\d+ requests .*p99 +([\d.]+) ms", out, "idle line")
+    loaded = find(r"^loaded +\d+ requests .*p99 +([\d.]+) ms", out, "loaded line")
+    ratio = find(r"^p99 loaded/idle = ([\d.]+)", out, "ratio line")
+    rss = find(r"^server RSS: start (\d+) MB, peak (\d+) MB, end (\d+) MB \(end/start = ([\d.]+)", out, "RSS line")
+    return (f"small requests' p99 {loaded.group(1)} ms loaded vs {idle.group(1)} ms idle (**ratio {ratio.group(1)}**, "
+            f"goal <= 2); server RSS {rss.group(1)} -> peak {rss.group(2)} -> end {rss.group(3)} MB "
+            f"(**end/start {rss.group(4)}**, goal <= 1.10)")
+
+
 def tau2_replays(out: str) -> str:
     pairs = [(int(a), int(b)) for a, b in re.findall(r"(\d+)/(\d+) matched", out)]
     if not pairs:
@@ -298,6 +308,9 @@ REGISTRY: list[Figure] = [
     Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 2 threads; "
            "the same requests streamed",
            "python benchmarks/serve_throughput.py", serve_throughput, 2),
+    Figure("serve-load", "`tether serve` under abuse: 200 small chat requests idle, then again while 32 clients "
+           "abandon heavy requests (n=32, 3 attempts each) and 4 send 20 MB bodies; the server's RSS",
+           "python benchmarks/serve_load.py", serve_load, 2),
     Figure("serve-logprobs", "server behaviour logprobs vs a teacher-forced forward pass (`/v1/completions`, "
            "token ids)", "pytest -s tests/test_remote_engine.py -k teacher_forced", printed_max_diff, 0.5),
     Figure("remote-vs-local", "demo RL phase, `engine.type: remote` vs local, seed 0, 16 steps",

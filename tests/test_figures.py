@@ -198,3 +198,14 @@ def test_time_to_target_parser_counts_each_seed_once():
                      "70.0%, 81.2%", "time to 75% = 30 s (median of 3 seeds)"])
     assert figures.time_to_target(out) == ("to 75 %: **median 30 s** over 3 seeds (step 8, 21 s / not reached / step "
                                            "12, 30 s); CPU 26 s; held-out success at the last step 80.0%, 70.0%, 81.2%")
+
+
+def test_serve_load_parser_reads_the_ratio_and_the_rss():
+    out = """idle    200 requests in   4.1 s: p50    60.2 ms  p99   110.5 ms
+loaded  200 requests in   7.5 s: p50    80.0 ms  p99   170.3 ms   (heavy requests abandoned 96 after at most 2.10 s)
+p99 loaded/idle = 1.54 (goal <= 2); serve/aborted = 90
+server RSS: start 600 MB, peak 900 MB, end 640 MB (end/start = 1.07, goal <= 1.10)
+"""
+    assert figures.serve_load(out) == (
+        "small requests' p99 170.3 ms loaded vs 110.5 ms idle (**ratio 1.54**, goal <= 2); server RSS 600 -> peak "
+        "900 -> end 640 MB (**end/start 1.07**, goal <= 1.10)")
