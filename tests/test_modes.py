@@ -32,9 +32,11 @@ def run(setup, name, *overrides):
 def test_async_modes_at_staleness_zero_equal_sync(setup):
     # learner.overlap_rollout=false: sync trains the batch after the rollout, in the batch's order, as the async modes
     # do (with the overlap the gradient is summed in the order the groups finish: test_overlap_is_the_same_update)
+    # (the async modes' overlap too: the learner trains each group as it is taken, in the order they finish)
     sync_rows, sync_samples, sync_w = run(setup, "sync", "rollout.mode=sync", "learner.overlap_rollout=false")
     for mode in ("fully_async", "one_step_off_policy"):
-        rows, samples, w = run(setup, mode, f"rollout.mode={mode}", "rollout.scheduler.max_staleness=0")
+        rows, samples, w = run(setup, mode, f"rollout.mode={mode}", "rollout.scheduler.max_staleness=0",
+                               "learner.overlap_rollout=false")
         assert samples == sync_samples, mode
         for a, b in zip(sync_rows[1:], rows[1:]):
             for key in ("reward/mean", "rollout/response_tokens", "optim/loss", "optim/grad_norm"):
@@ -65,6 +67,25 @@ def test_overlap_is_the_same_update(setup):
     # order of the sum shows there, a few 1e-6 at lr 1e-3 over 4 steps; every other coordinate agrees far closer
     assert all(torch.allclose(over_w[k], w[k], atol=1e-5) for k in w)
 
+
+
+def test_fully_async_overlap_trains_each_group_as_it_is_taken(setup):
+    """learner.overlap_rollout flipped in fully_async: the learner trains the groups while the trainer waits for the
+    rest of the batch (learner time moves under the wait) or after the batch (none does); at staleness 0 either way
+    the batches are sync's, so the same rollouts and, summed in another order, the same update to float rounding."""
+    sets = ("rollout.mode=fully_async", "rollout.scheduler.max_staleness=0", "trainer.total_steps=4",
+            "policy_optimization.advantage.group_size=2", "learner.batch_size=16", "learner.mini_batch_size=16")
+    over_rows, over_samples, over_w = run(setup, "async-overlap", *sets)
+    rows, samples, w = run(setup, "async-after", *sets, "learner.overlap_rollout=false")
+    assert samples == over_samples
+    for a, b in zip(over_rows[1:], rows[1:]):
+        for key in ("reward/mean", "optim/loss", "optim/grad_norm", "optim/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        assert b["perf/learner_overlap_s"] == 0.0
+        assert a["rollout/trained_trajectories"] == b["rollout/trained_trajectories"] == 16
+        assert a["rollout/policy_version_lag_max"] == b["rollout/policy_version_lag_max"] == 0
+    assert sum(r["perf/learner_overlap_s"] for r in over_rows[1:]) > 0  # 8 groups a step: most come before the last
+    assert all(torch.allclose(over_w[k], w[k], atol=1e-5) for k in w)
 
 
 def test_overlap_with_several_updates_a_step_is_the_same_training(setup):

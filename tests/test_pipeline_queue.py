@@ -297,3 +297,45 @@ def test_fully_async_trainer_takes_past_a_straggler_that_holds_the_window_after_
         source.check_accounting()
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_fully_async_hands_each_group_over_as_soon_as_it_may_be_taken(streamed):
+    # learner.overlap_rollout in the async modes: next_batch's on_group hears of each group as it is taken, one by one,
+    # instead of the take waiting for the whole mini-batch. 2 groups a step, one take of 2; staleness 0 and a version
+    # that never moves: only seq 0 (step 1, index 0: 0.05 s) and seq 1 (index 1: 0.6 s) ever start.
+    import asyncio
+
+    from conftest import batch_source
+    from tether.config import RunConfig
+    from tether.pipeline.shaping import Produced
+    from tether.pipeline.weights import WeightSync
+    from tether.types import Task
+
+    class Slow:
+        async def produce(self, task, size, step, index):
+            await asyncio.sleep(0.05 if index == 0 else 0.6)
+            return Produced(group(size, 0, task.id), step, index)
+
+    cfg = RunConfig.model_validate({
+        "learner": {"batch_size": 8, "mini_batch_size": 8, "gradient_accumulation_steps": 1},
+        "policy_optimization": {"advantage": {"group_size": 4}}, "buffer": {"type": "fifo"},
+        "trainer": {"trigger_parameter_sync_step": 1},
+        "rollout": {"mode": "fully_async", "scheduler": {"max_staleness": 0}}})
+    source = batch_source(cfg, Slow(), lambda step: [Task(f"s{step}k{k}", "train", "k") for k in range(2)],
+                          WeightSync(None, None, 1), start_step=0, sizes=lambda ts: [4] * len(ts))
+    heard: list[tuple[int, float]] = []
+    try:
+        t = time.monotonic()
+        batch = source.next_batch(1, on_group=(lambda p: heard.append((p.index, time.monotonic() - t)))
+                                  if streamed else None)
+        waited = time.monotonic() - t
+        assert [(p.step, p.index) for p in batch.produced] == [(1, 0), (1, 1)]  # the same batch, in start order
+        assert waited >= 0.55
+        if streamed:  # index 0 handed over ~0.55 s before index 1 finished
+            assert [k for k, _ in heard] == [0, 1] and heard[0][1] < 0.4 <= heard[1][1]
+        else:
+            assert heard == []
+        source.check_accounting()
+    finally:
+        source.close()

@@ -339,13 +339,17 @@ class LearnerConfig(Section):
     off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
     """Off-policy correction."""
     overlap_rollout: bool = True
-    """Sync mode, when a step is one pass (update_frequency 1) whose pi_prox is each update's own first forward:
-    train each group as soon as it finishes, in a thread beside the rollout, instead of after the whole batch;
-    with several updates a step (mini_batch_size < batch_size) each is applied as soon as it holds mini_batch_size
-    trajectories (``tether.pipeline.streaming``). One update: the same update as after the batch, to float rounding;
-    several: each mini-batch holds trajectories in the order their groups finished (which groups make which update
-    follows the engine's timing), in task order with trainer.deterministic (then the same updates, to float
-    rounding). ``perf/learner_overlap_s`` says how much of the learner's time it moved under the rollout."""
+    """When a step is one pass (update_frequency 1) whose pi_prox is each update's own first forward: train each
+    group as soon as it finishes (sync mode) or as soon as the trainer may take it (the async modes, not with
+    trainer.deterministic), in a thread beside the rollout, instead of after the whole batch; with several updates a
+    step (mini_batch_size < batch_size) each is applied as soon as it holds mini_batch_size trajectories
+    (``tether.pipeline.streaming``). One update: the same update as after the batch, to float rounding; several:
+    each mini-batch holds trajectories in the order their groups finished (which groups make which update follows
+    the engine's timing), in task order with trainer.deterministic in sync mode (then the same updates, to float
+    rounding). In the async modes the trainer takes the groups one by one as they come instead of a mini-batch at a
+    time, so a priority replay buffer (buffer.type) chooses among the groups it holds at each take. The staleness
+    bound is unchanged (the version moves after the step, as before). ``perf/learner_overlap_s`` says how much of the
+    learner's time it moved under the rollout (or the async modes' wait for the batch)."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> LearnerConfig:

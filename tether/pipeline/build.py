@@ -174,7 +174,7 @@ class Run:
             learner = trainer.learner
             # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
             overlap = overlaps(learner, po.advantage.normalization, overlap_rollout=cfg.learner.overlap_rollout,
-                               mode=plan.mode)
+                               mode=plan.mode, ordered=plan.deterministic)
             engine_threads = rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlap else None
             sampler = TaskSampler(rt.tasks("train"), plan.prompts_per_step, plan.seed, po.task_selection)
             allocator = RolloutAllocator(po.rollout_allocation, plan.group_size,

@@ -71,8 +71,9 @@ OnGroup = Callable[[Produced], None]  # told of each group of the step as it fin
 
 class BatchSource(Protocol):
     def next_batch(self, step: int, on_group: OnGroup | None = None) -> StepBatch:
-        """The ``prompts_per_step`` groups of ``step``; ``on_group`` hears of each as it finishes, where the groups
-        are made for the step (sync mode; the async modes made them before)."""
+        """The ``prompts_per_step`` groups of ``step``; ``on_group`` hears of each as it finishes (sync mode: the
+        groups are made for the step) or as it is taken (the async modes made them before: given ``on_group``, they
+        hand over each group as soon as it may be taken instead of ``groups_per_take`` at a time)."""
 
     def state_dict(self) -> dict:
         """What a checkpoint needs so that a resumed run neither repeats nor loses a group (ledger.py)."""
@@ -226,12 +227,12 @@ class AsyncSource:
             self.queue.report_stale(records)
             record_metric("rollout/stale_trajectory_processed", sum(q.num_samples for q in records), "sum")
 
-    def _take(self, n: int) -> list[QueuedGroup]:
+    def _take(self, n: int, wait_for: int) -> list[QueuedGroup]:
         """Up to n groups: every finished group moves from the queue into the replay buffer (waiting until the
-        buffer holds n, or at least one when it held none), which hands out its first n."""
+        buffer holds ``wait_for`` ≤ n), which hands out its first n."""
         if self.max_policy_lag is not None:
             self._drop_stale(self.buffer.remove_stale(self.max_policy_lag))
-        missing = n - len(self.buffer)
+        missing = wait_for - len(self.buffer)
         if missing > 0:
             got = self.queue.get_batch(missing, timeout=600.0)
             if isinstance(self._error, StopRun):  # the environment's own one line, as in sync mode
@@ -251,15 +252,21 @@ class AsyncSource:
             self.ledger.settle(q.produced.step, q.produced.index)
 
     def next_batch(self, step: int, on_group: OnGroup | None = None) -> StepBatch:
-        """``on_group`` is not called: the groups were made before the trainer asked for them."""
+        """The step's groups, ``groups_per_take`` at a time; given ``on_group`` (the learner trains each group as it
+        comes: ``learner.overlap_rollout``), each as soon as one may be taken, and ``on_group`` hears of it. Then the
+        replay buffer chooses among the groups it holds at each take, not among those a whole take would wait for.
+        The version cannot move before the step ends, so a group handed over is never dropped as stale later."""
         t = time.perf_counter()
         kept: list[QueuedGroup] = []
         while len(kept) < self.groups_per_step:
-            got = self._take(min(self.groups_per_take, self.groups_per_step - len(kept)))
+            n = min(self.groups_per_take, self.groups_per_step - len(kept))
+            got = self._take(n, wait_for=1 if on_group is not None else n)
             if self.max_policy_lag is not None:
                 got, stale = stale_filter(got, self.weights.version, self.max_policy_lag)
                 self._drop_stale(stale)
             kept += got
+            for q in got if on_group is not None else ():
+                on_group(q.produced)
         wait = time.perf_counter() - t
         kept.sort(key=lambda q: q.seq)  # start order: the batch sync would have built
         self._settle(kept)

@@ -17,8 +17,14 @@ Advantages. Each group's advantages are computed once (``advantages``, the one f
 whole batch): as it is trained when the step streams, all together when it does not (``StepUpdate.advantages``).
 
 Order. Groups are trained as they finish; with ``trainer.deterministic`` in the order of the step's task list
-(a group waits for those before it), so that the gradient is summed in one order. In the async modes the groups are
-produced before the trainer asks for the step: they are fed in the batch's order after it arrives.
+(a group waits for those before it), so that the gradient is summed in one order.
+
+The async modes. The groups are produced before the trainer asks for the step, and the trainer waits for them: with
+the overlap the batch source hands over each group as soon as the schedule lets it be taken (``AsyncSource``), and it
+is trained while the trainer waits for the rest, so that the version after the batch is published (and admission
+control lets the next groups start) a learner step sooner. Without it, or with ``trainer.deterministic`` (the groups
+arrive in no fixed order, so task order would mean waiting for the whole batch), the batch's groups are fed in its
+order after it arrives.
 
 Threads. A step's "all threads" (``all_threads``) is decided at its start from the cores other processes leave
 (``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). While both
@@ -91,10 +97,11 @@ def streams(learner: Learner | LearnerGroup, normalization: Normalization) -> bo
 
 
 def overlaps(learner: Learner | LearnerGroup, normalization: Normalization, *, overlap_rollout: bool,
-             mode: str) -> bool:
-    """Whether the learner trains beside the rollout in this run: ``learner.overlap_rollout`` where it can act
-    (``mode``, ``rollout.mode``: sync, and a step that ``streams``)."""
-    return overlap_rollout and mode == "sync" and streams(learner, normalization)
+             mode: str, ordered: bool = False) -> bool:
+    """Whether the learner trains beside the rollout in this run: ``learner.overlap_rollout`` where it can act (a step
+    that ``streams``; in the async modes (``mode``, ``rollout.mode``) without ``ordered``, ``trainer.deterministic``:
+    there the groups reach the trainer in no fixed order, so task order would mean waiting for the whole batch)."""
+    return overlap_rollout and streams(learner, normalization) and (mode == "sync" or not ordered)
 
 
 def _trainable(produced: Produced) -> bool:
@@ -133,7 +140,8 @@ class StepUpdate:
         self.learner, self.engine_threads = learner, engine_threads
         self.normalization, self.min_std = advantage.normalization, advantage.degenerate_group_filter.min_reward_std
         self.streams = streams(learner, self.normalization)
-        self.overlap = overlaps(learner, self.normalization, overlap_rollout=overlap_rollout, mode=mode)
+        self.overlap = overlaps(learner, self.normalization, overlap_rollout=overlap_rollout, mode=mode,
+                                ordered=ordered)
         self.ceiling = torch.get_num_threads()  # the caller's: read in the trainer's thread, given back after the step
         self.all_threads = step_threads(ordered)
         self.threads = split_threads(self.all_threads)
@@ -159,7 +167,8 @@ class StepUpdate:
 
     # -- rollout side (the event loop's thread) --------------------------------------------------------------
     def offer(self, produced: Produced) -> None:
-        """A finished group of the step (any order; each index once)."""
+        """A finished group of the step (any order; each index once): from the rollout's event loop in sync mode, from
+        the trainer's thread as the batch source takes it in the async modes."""
         if not self.overlap:
             return
         if not self.ordered:

@@ -4,8 +4,8 @@ degenerate-group resampling) in shaping.py.
 
     next batch → group-relative advantages → learner update → weight sync when due → monitors → log / eval / save
 
-(in sync mode the learner update starts while the batch is generated: each group is trained as it finishes,
-``streaming.py``).
+(the learner update starts while the batch is generated, in sync mode, or while the trainer waits for it, in the
+async modes: each group is trained as it finishes, ``streaming.py``).
 
 Steps are numbered from 1; held-out evaluation is logged at step 0 (before any update), every
 ``trainer.eval_every`` steps and at the end. The tasks of step s are a pure function of (seed, s), so a
@@ -52,11 +52,11 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
         eval_after = eval_before
         for step in range(run.start + 1, tr.total_steps + 1):
             t0, busy = time.perf_counter(), run.rt.engine.stats["busy_s"]
-            # sync mode: each group trained as it finishes
+            # each group trained as it finishes (sync mode) or as it is taken (async modes): learner.overlap_rollout
             with StepUpdate(run.learner, cfg.policy_optimization.advantage, mode=run.plan.mode,
                             overlap_rollout=cfg.learner.overlap_rollout, ordered=run.plan.deterministic,
                             engine_threads=run.engine_threads) as update:
-                batch = run.source.next_batch(step, on_group=update.offer)
+                batch = run.source.next_batch(step, on_group=update.offer if update.overlap else None)
                 fault("batch", step)
                 if (warning := no_signal_warning(batch.produced, step, preset_hint=tiny_sft_applies)) is not None:
                     run.progress.warn(warning)
