@@ -339,3 +339,39 @@ def test_fully_async_hands_each_group_over_as_soon_as_it_may_be_taken(streamed):
         source.check_accounting()
     finally:
         source.close()
+
+
+def test_a_group_dropped_as_stale_gives_its_admission_place_back():
+    # staleness 0, 2 groups a step: 2 places. The run resumes at step 10 (version 10); group (11, 0) comes back with
+    # tokens of version 0 (lag 10 > max_policy_lag 1) and is dropped at consumption. Its place comes back (as a failed
+    # group's does), so (12, 0) may start and completes the batch; kept, both places would stay taken for good and the
+    # batch could never fill.
+    import asyncio
+
+    from conftest import batch_source
+    from tether.config import RunConfig
+    from tether.pipeline.shaping import Produced
+    from tether.pipeline.weights import WeightSync
+    from tether.types import Task
+
+    class OneStale:
+        async def produce(self, task, size, step, index):
+            await asyncio.sleep(0.01)
+            return Produced(group(size, 0 if (step, index) == (11, 0) else 10, task.id), step, index)
+
+    cfg = RunConfig.model_validate({
+        "learner": {"batch_size": 8, "mini_batch_size": 8, "gradient_accumulation_steps": 1},
+        "policy_optimization": {"advantage": {"group_size": 4}}, "buffer": {"type": "fifo",
+                                                                            "stale_filter": {"max_policy_lag": 1}},
+        "trainer": {"trigger_parameter_sync_step": 1},
+        "rollout": {"mode": "fully_async", "scheduler": {"max_staleness": 0}}})
+    source = batch_source(cfg, OneStale(), lambda step: [Task(f"s{step}k{k}", "train", "k") for k in range(2)],
+                          WeightSync(None, None, 1, start_step=10), start_step=10, sizes=lambda ts: [4] * len(ts))
+    try:
+        batch = source.next_batch(11)
+        assert sorted((p.step, p.index) for p in batch.produced) == [(11, 1), (12, 0)]
+        a = source.accounting()
+        assert a["queue/stale_samples"] == 4 and a["queue/total_consumed"] == 8  # one group of 4 dropped, 2 trained
+        source.check_accounting()
+    finally:
+        source.close()

@@ -225,6 +225,10 @@ class AsyncSource:
         self._settle(records)
         if records:
             self.queue.report_stale(records)
+            # it never reaches the trainer: its admission place comes back, as a failed group's does, so that the
+            # version still gets its groups (kept, each drop would shrink the groups in flight for the rest of the run,
+            # and after (max_staleness + 1) · B − B + 1 of them fewer than a batch could ever be in flight)
+            self.admission.release(len(records))
             record_metric("rollout/stale_trajectory_processed", sum(q.num_samples for q in records), "sum")
 
     def _take(self, n: int, wait_for: int) -> list[QueuedGroup]:
@@ -265,8 +269,9 @@ class AsyncSource:
                 got, stale = stale_filter(got, self.weights.version, self.max_policy_lag)
                 self._drop_stale(stale)
             kept += got
-            for q in got if on_group is not None else ():
-                on_group(q.produced)
+            if on_group is not None:
+                for q in got:
+                    on_group(q.produced)
         wait = time.perf_counter() - t
         kept.sort(key=lambda q: q.seq)  # start order: the batch sync would have built
         self._settle(kept)

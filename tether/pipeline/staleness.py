@@ -158,8 +158,9 @@ class AdmissionController:
             self._signal.notify_all()
 
     def release(self, n: int = 1) -> None:
-        """Give back ``n`` started groups that will never reach the trainer (a failed episode), so that the
-        version still gets its ``groups_per_step`` groups (AReaL does this for rejected rollouts)."""
+        """Give back ``n`` started groups that will never reach the trainer (a failed episode, or a group the stale
+        filter dropped), so that the version still gets its ``groups_per_step`` groups (AReaL does this for rejected
+        rollouts)."""
         with self._signal.lock:
             if n < 0 or self._released + n > self._next_seq:
                 raise ValueError(f"release({n}) with {self._next_seq} started, {self._released} released")
