@@ -81,6 +81,11 @@ def one_seed(seed: int, sft: Path, root: Path, overlay: Path, args: argparse.Nam
             "sync_final": results["sync"]["after"], "async_final": results["fully_async"]["after"]}
 
 
+def _seconds(t: float | None) -> str:
+    """A time to target as the seed tables print it (whole seconds), or "not reached"."""
+    return "not reached" if t is None else f"{t:.0f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", type=Path, help="an SFT model folder (default: the tiny-sft preset of seed 0)")
@@ -103,8 +108,7 @@ def main() -> None:
     ratios = [r["ratio"] for r in seeds]
     per_seed = ", ".join(f"seed {r['seed']}: " + (f"{r['async_s']:.0f}/{r['sync_s']:.0f} s = {r['ratio']:.2f}"
                                                   if r["ratio"] is not None else
-                                                  f"sync {r['sync_s'] or 'not reached'}, "
-                                                  f"fully_async {r['async_s'] or 'not reached'}")
+                                                  f"sync {_seconds(r['sync_s'])}, fully_async {_seconds(r['async_s'])}")
                          for r in seeds)
     known = [x for x in ratios if x is not None]
     med = f"{statistics.median(known):.2f}" if len(known) == len(ratios) else "n/a"
