@@ -1,6 +1,7 @@
 """Wall-clock from the demo's SFT checkpoint to held-out success ≥ 75 %, evaluation time excluded.
 
-    python benchmarks/time_to_target.py [--seeds 0 1 2] [--steps 16] [--eval-every 2] [--model DIR] [--threads 2]
+    python benchmarks/time_to_target.py [--seeds 0 1 2] [--steps 16] [--eval-every 2] [--target 0.75 [0.85 0.9]]
+                                        [--model DIR] [--threads 2]
     python benchmarks/time_to_target.py --combine a.json b.json c.json     # one summary of separate runs
 
 The demo's RL phase (examples/customer_service/config.yaml, sync mode, 8 tasks × 8 rollouts) from its SFT
@@ -8,13 +9,13 @@ checkpoint (``--model``; default: the ``tiny-sft`` preset of seed 0, so every RL
 weights), for ``--steps`` steps with held-out evaluation (the environment's eval tasks, greedy) every
 ``--eval-every`` steps. The training clock runs from the end of the step-0 evaluation and stops while an
 evaluation runs; the time to target is the training clock at the first evaluated step whose success is at least
-``--target`` (so it is resolved to ``--eval-every`` steps). Evaluation time is reported separately, and so is
-the process CPU time over the same span (what the clock would read on idle cores with one thread, when other
-programs share the machine).
+``--target`` (so it is resolved to ``--eval-every`` steps; several targets are read from the same run).
+Evaluation time is reported separately, and so is the process CPU time over the same span (what the clock would
+read on idle cores with one thread, when other programs share the machine).
 
 Per seed: time to target (wall, CPU), evaluation seconds, trajectories generated (first attempts and resamples) per
-trajectory trained, held-out success at every evaluation and at the last step. The last line is ``time to 75% = X s
-(median of 3 seeds)`` ("not reached" counts as infinite).
+trajectory trained, held-out success at every evaluation and at the last step. The last lines are ``time to 75% = X s
+(median of 3 seeds)``, one per target ("not reached" counts as infinite).
 """
 
 from __future__ import annotations
@@ -77,7 +78,16 @@ def instrument(clock: Clock) -> None:
     build.Run.eval = timed_eval  # type: ignore[method-assign]
 
 
-def run_seed(seed: int, model: str, steps: int, every: int, target: float, overrides: list[str]) -> dict[str, Any]:
+def reached(evals: list[dict[str, float]], target: float) -> dict[str, Any]:
+    """The training wall / CPU seconds and the step of the first evaluation after step 0 at ``target`` or above."""
+    hit = next((e for e in evals if e["step"] > 0 and e["success"] >= target), None)
+    return {"time_to_target_s": hit["train_wall_s"] if hit else math.inf,
+            "cpu_to_target_s": hit["train_cpu_s"] if hit else math.inf,
+            "step_to_target": hit["step"] if hit else None}
+
+
+def run_seed(seed: int, model: str, steps: int, every: int, targets: list[float],
+             overrides: list[str]) -> dict[str, Any]:
     from tether.config import load_config
     from tether.pipeline.trainer import train
 
@@ -92,11 +102,8 @@ def run_seed(seed: int, model: str, steps: int, every: int, target: float, overr
     generated = sum(r.get("rollout/generated_trajectories", 0) + r.get("rollout/resampled_trajectories", 0)
                     for r in steps_rows)
     trained = sum(r.get("rollout/trained_trajectories", 0) for r in steps_rows)
-    hit = next((e for e in clock.evals if e["step"] > 0 and e["success"] >= target), None)
-    return {"seed": seed, "evals": clock.evals, "target": target,
-            "time_to_target_s": hit["train_wall_s"] if hit else math.inf,
-            "cpu_to_target_s": hit["train_cpu_s"] if hit else math.inf,
-            "step_to_target": hit["step"] if hit else None,
+    return {"seed": seed, "evals": clock.evals, "target": targets[0], **reached(clock.evals, targets[0]),
+            "targets": {f"{t:g}": reached(clock.evals, t) for t in targets},
             "eval_s": sum(e["eval_wall_s"] for e in clock.evals),
             "train_s": clock.evals[-1]["train_wall_s"], "train_cpu_s": clock.evals[-1]["train_cpu_s"],
             "final_success": clock.evals[-1]["success"],
@@ -104,25 +111,34 @@ def run_seed(seed: int, model: str, steps: int, every: int, target: float, overr
             "generated_per_trained": generated / trained if trained else math.inf}
 
 
+def _when(hit: dict[str, Any]) -> str:
+    return (f"{hit['time_to_target_s']:.0f} s wall / {hit['cpu_to_target_s']:.0f} s CPU (step {hit['step_to_target']})"
+            if hit["step_to_target"] else "not reached")
+
+
+def _targets(r: dict[str, Any]) -> dict[float, dict[str, Any]]:
+    """A result's targets, the first one first (a result of an older run has only ``target``)."""
+    return {float(t): hit for t, hit in r.get("targets", {f"{r['target']:g}": r}).items()}
+
+
 def summarise(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         curve = " ".join(f"{e['step']}:{e['success']:.0%}" for e in r["evals"])
-        when = (f"{r['time_to_target_s']:.0f} s wall / {r['cpu_to_target_s']:.0f} s CPU (step {r['step_to_target']})"
-                if r["step_to_target"] else "not reached")
-        lines.append(f"seed {r['seed']}: to {r['target']:.0%}: {when}; held-out success at step {r['final_step']}: "
+        when = "; ".join(f"to {t:.0%}: {_when(hit)}" for t, hit in _targets(r).items())
+        lines.append(f"seed {r['seed']}: {when}; held-out success at step {r['final_step']}: "
                      f"{r['final_success']:.1%}; training {r['train_s']:.0f} s "
                      f"({r['evals'][-1]['train_cpu_s']:.0f} s CPU), "
                      f"evaluation {r['eval_s']:.0f} s; "
                      f"generated per trained trajectory {r.get('generated_per_trained', math.nan):.2f}; "
                      f"curve {curve}")
-    times = [r["time_to_target_s"] for r in results]
     cpu = [r["cpu_to_target_s"] for r in results]
-    med = statistics.median(times)
     lines.append(f"CPU time to target (median): {statistics.median(cpu):.0f} s; held-out success at the last step: "
                  + ", ".join(f"{r['final_success']:.1%}" for r in results))
-    shown = f"{med:.0f}" if math.isfinite(med) else "not reached"
-    lines.append(f"time to {results[0]['target']:.0%} = {shown} s (median of {len(results)} seeds)")
+    for t in _targets(results[0]):
+        med = statistics.median(_targets(r)[t]["time_to_target_s"] for r in results)
+        shown = f"{med:.0f} s" if math.isfinite(med) else "not reached"
+        lines.append(f"time to {t:.0%} = {shown} (median of {len(results)} seeds)")
     return "\n".join(lines)
 
 
@@ -138,7 +154,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--eval-every", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.75)
+    ap.add_argument("--target", type=float, nargs="+", default=[0.75],
+                    help="held-out success to reach, one or more (e.g. 0.75 0.85 0.9): each from the same run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="SFT checkpoint (HF folder); default: the tiny-sft preset")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")

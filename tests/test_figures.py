@@ -200,6 +200,18 @@ def test_time_to_target_parser_counts_each_seed_once():
                                            "12, 30 s); CPU 26 s; held-out success at the last step 80.0%, 70.0%, 81.2%")
 
 
+def test_time_to_target_parser_gives_every_target():
+    seeds = ["seed 0: to 75%: 18 s wall / 24 s CPU (step 8); to 85%: 40 s wall / 52 s CPU (step 16); held-out success "
+             "at step 16: 85.9%; training 34 s", "seed 1: to 75%: 20 s wall / 26 s CPU (step 10); to 85%: not reached; "
+             "held-out success at step 16: 78.1%; training 35 s"]
+    out = "\n".join([*seeds, *seeds, "CPU time to target (median): 25 s; held-out success at the last step: 85.9%, "
+                     "78.1%", "time to 75% = 19 s (median of 2 seeds)",
+                     "time to 85% = not reached (median of 2 seeds)"])
+    assert figures.time_to_target(out) == (
+        "to 75 %: **median 19 s** over 2 seeds (step 8, 18 s / step 10, 20 s); CPU 25 s; to 85 %: **median not "
+        "reached** over 2 seeds (step 16, 40 s / not reached); held-out success at the last step 85.9%, 78.1%")
+
+
 def test_serve_load_parser_reads_the_ratio_and_the_rss():
     out = """idle    200 requests in   4.1 s: p50    60.2 ms  p99   110.5 ms
 loaded  200 requests in   7.5 s: p50    80.0 ms  p99   170.3 ms   (heavy requests abandoned 96 after at most 2.10 s)
