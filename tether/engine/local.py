@@ -137,14 +137,6 @@ def _resolve(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
-def _wake(req: _Request) -> None:
-    """Tell a streamed request's caller that it has new tokens or has ended (from the worker thread)."""
-    try:
-        req.loop.call_soon_threadsafe(_woken, req)
-    except RuntimeError:  # the caller's event loop is closed
-        pass
-
-
 def _woken(req: _Request) -> None:
     if req.waiter is not None and not req.waiter.done():
         req.waiter.set_result(None)
@@ -156,7 +148,8 @@ def _woken_all(reqs: list[_Request]) -> None:
 
 
 def _wake_all(reqs: list[_Request]) -> None:
-    """``_wake`` for many requests, with one call into each caller's event loop (from the worker thread)."""
+    """Tell streamed requests' callers that they have new tokens or have ended, with one call into each caller's event
+    loop (from the worker thread)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
     for req in reqs:
         by_loop.setdefault(req.loop, []).append(req)
@@ -174,7 +167,7 @@ def _send(req: _Request, result: Any) -> None:
     except RuntimeError:  # the caller's event loop is closed; nobody is waiting
         return
     if req.streamed:
-        _wake(req)
+        _wake_all([req])
 
 
 class LocalEngine:
@@ -514,9 +507,9 @@ class LocalEngine:
         counted in ``stats[stat]``."""
         if not reqs:
             return
-        chosen = set(map(id, reqs))
-        done = [id(r) in chosen for r in self._slots.running]
-        order = [r for r in self._slots.running if id(r) in chosen]
+        chosen = set(reqs)  # by identity (eq=False)
+        done = [r in chosen for r in self._slots.running]
+        order = [r for r in self._slots.running if r in chosen]
         self._slots.retire(done, park=done)
         for r in reversed(order):
             r.num_preempted += 1

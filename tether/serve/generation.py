@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from tether.agent.chat import render_ids
 from tether.agent.parsers import get_parser
@@ -309,16 +310,31 @@ class Generator:
     def pieces(self, ids: list[int], skip: bool) -> list[str]:
         """The text each token adds when decoding incrementally ("" while a multi-byte character is incomplete):
         a window of the last tokens is re-decoded, as streaming detokenizers do."""
-        out, prefix, read = [], 0, 0
-        for j in range(len(ids)):
-            before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
-            after = self.tokenizer.decode(ids[prefix:j + 1], skip_special_tokens=skip)
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                out.append(after[len(before):])
-                prefix, read = read, j + 1
-            else:
-                out.append("")
-        return out
+        decoder = Detokenizer(self.tokenizer, skip, window=True)
+        return [decoder.add(i) for i in ids]
+
+
+class Detokenizer:
+    """Text added by each id appended ("" while a multi-byte character is incomplete): the tokenizers library's
+    ``DecodeStream`` for a fast tokenizer, else (or with ``window``) a window of the last ids re-decoded."""
+
+    def __init__(self, tokenizer: Any, skip: bool, *, window: bool = False):
+        self.tokenizer, self.skip = tokenizer, skip
+        self.backend: Any = None if window else getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend is not None else None
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def add(self, token_id: int) -> str:
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
 
 
 def _find_after(text: str, s: str, floor: int) -> int:

@@ -26,37 +26,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
 from tether.engine.base import GenerationResult, SamplingParams, TokenDelta, stream_generation
-from tether.serve.generation import Choice, Generator
+from tether.serve.generation import Choice, Detokenizer, Generator
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 MAX_STREAMED_CALLS = 64
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-
-
-class Detokenizer:
-    """Text added by each id appended ("" while a multi-byte character is incomplete): the tokenizers library's
-    ``DecodeStream`` for a fast tokenizer, else a window of the last ids re-decoded."""
-
-    def __init__(self, tokenizer: Any, skip: bool):
-        self.tokenizer, self.skip = tokenizer, skip
-        self.backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend is not None else None
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-
-    def add(self, token_id: int) -> str:
-        if self.stream is not None:
-            return self.stream.step(self.backend, token_id) or ""
-        self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
-        return ""
 
 
 def _held(text: str, marks: list[str], start: int = 0) -> int:
