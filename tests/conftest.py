@@ -40,6 +40,15 @@ def tiny_model(tmp_path_factory) -> str:
                       hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
+def process_gone(pid: int) -> bool:
+    """Has process ``pid`` exited (reaped, or a zombie)? /proc races with the reaping: a process reaped between the
+    open and the read of its stat file raises ProcessLookupError, and counts as gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / name).read_text().splitlines() if line.strip()]
 

@@ -56,9 +56,10 @@ def call(env, name: str, **params) -> tuple[str, bool]:
 
 
 def alive(pid: int) -> bool:
+    """Not exited (as tests.conftest.process_gone; a script below imports this module from its own folder)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # reaped, also between the open and the read
         return False
     return state != "Z"
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("openenv")
 
+from tests.conftest import process_gone
 from tether.config import load_config  # noqa: E402
 from tether.config.openenv import OpenEnvConfig  # noqa: E402
 from tether.env.openenv import environment, list_tasks  # noqa: E402
@@ -30,12 +31,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openenv_env"
 TESTS = Path(__file__).resolve().parent
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie has exited
 
 
 def served(spec: AppSpec, index: int):
@@ -152,7 +147,7 @@ def test_servers_starts_that_many_and_deals_episodes_out_then_stops_them():
     make_env, _ = resolve(f"openenv:{EXAMPLE / 'guess_server.py'}")
     first = make_env(cfg)
     pids = [s.pid for s in first.pool.servers]
-    assert len(set(pids)) == 2 and all(not gone(p) for p in pids)
+    assert len(set(pids)) == 2 and all(not process_gone(p) for p in pids)
     envs = [first.spawn() for _ in range(4)]
     for e in envs:
         e.reset("seed-0")
@@ -160,7 +155,7 @@ def test_servers_starts_that_many_and_deals_episodes_out_then_stops_them():
     for e in envs:
         e.close()
     first.shutdown()
-    assert all(gone(p) for p in pids)
+    assert all(process_gone(p) for p in pids)
 
 
 def test_start_timeout_s_waits_for_a_slow_server_or_fails_naming_the_key(monkeypatch):
@@ -184,13 +179,13 @@ def test_a_killed_tether_leaves_no_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
     pid = int(proc.stdout.readline())
-    assert not gone(pid)
+    assert not process_gone(pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while not gone(pid) and time.monotonic() < deadline:
+    while not process_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gone(pid)
+    assert process_gone(pid)
 
 
 def test_bad_targets_and_keys_are_refused_by_name(monkeypatch):

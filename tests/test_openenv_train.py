@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 pytest.importorskip("openenv")
 
 from conftest import read_rows  # noqa: E402
+from tests.conftest import process_gone
 from tether.cli import app  # noqa: E402
 from tether.env.openenv.env import OpenEnvEpisode  # noqa: E402
 from tether.env.openenv.server import ServerProcess  # noqa: E402
@@ -25,12 +26,6 @@ from tether.env.openenv.server import ServerProcess  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openenv_env"
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
 @pytest.fixture
@@ -67,7 +62,7 @@ def test_tether_train_runs_the_openenv_example_and_stops_its_server(tiny_model, 
              for line in f.read_text().splitlines()]
     assert len(evals) == 8  # 4 held-out seeds, at step 0 and at the end
     assert all("I am thinking of a number" in json.dumps(e) for e in evals)  # the server's reset reached the model
-    assert len(servers) == 1 and gone(servers[0])  # environment.openenv.servers: 1, stopped with the run
+    assert len(servers) == 1 and process_gone(servers[0])  # environment.openenv.servers: 1, stopped with the run
 
 
 def kill_server_after_reset(monkeypatch, servers, nth: int):
@@ -106,7 +101,7 @@ def test_a_killed_server_fails_its_episodes_counted_and_the_run_goes_on(tiny_mod
     for step in (1, 3, 4):  # before and after: every episode ran
         assert rows[step]["rollout/generated_trajectories"] == 8 and "env/openenv_errors/server_died" not in rows[step]
     assert all(math.isfinite(r["optim/loss"]) for r in rows.values())
-    assert len(servers) == 2 and all(gone(p) for p in servers)  # the one killed and its replacement, stopped
+    assert len(servers) == 2 and all(process_gone(p) for p in servers)  # the one killed and its replacement, stopped
 
 
 def test_on_server_death_stop_ends_the_run_with_one_line(tiny_model, tmp_path, monkeypatch, servers):
@@ -120,4 +115,4 @@ def test_on_server_death_stop_ends_the_run_with_one_line(tiny_model, tmp_path, m
     assert "Traceback" not in result.output
     rows = [r for r in read_rows(tmp_path / "run") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1]  # step 2 never finished
-    assert len(servers) == 1 and gone(servers[0])  # not restarted; stopped
+    assert len(servers) == 1 and process_gone(servers[0])  # not restarted; stopped
