@@ -38,13 +38,15 @@ import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from tether.env.customer_service.env import ReasonCode
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "customer_service" / "config.yaml"
-CODES = ("DAMAGED", "WRONG_ITEM", "LATE", "NOT_NEEDED", "USED", "FRAUD")
+CODES: tuple[str, ...] = get_args(ReasonCode)  # the six codes check_refund_policy takes
 
 
 def code_probabilities(model: Any, tokenizer: Any, env: Any, task: Any) -> dict[str, float]:
