@@ -102,8 +102,7 @@ def run_seed(seed: int, model: str, steps: int, every: int, targets: list[float]
     generated = sum(r.get("rollout/generated_trajectories", 0) + r.get("rollout/resampled_trajectories", 0)
                     for r in steps_rows)
     trained = sum(r.get("rollout/trained_trajectories", 0) for r in steps_rows)
-    return {"seed": seed, "evals": clock.evals, "target": targets[0], **reached(clock.evals, targets[0]),
-            "targets": {f"{t:g}": reached(clock.evals, t) for t in targets},
+    return {"seed": seed, "evals": clock.evals, "targets": {f"{t:g}": reached(clock.evals, t) for t in targets},
             "eval_s": sum(e["eval_wall_s"] for e in clock.evals),
             "train_s": clock.evals[-1]["train_wall_s"], "train_cpu_s": clock.evals[-1]["train_cpu_s"],
             "final_success": clock.evals[-1]["success"],
@@ -117,8 +116,18 @@ def _when(hit: dict[str, Any]) -> str:
 
 
 def _targets(r: dict[str, Any]) -> dict[float, dict[str, Any]]:
-    """A result's targets, the first one first (a result of an older run has only ``target``)."""
-    return {float(t): hit for t, hit in r.get("targets", {f"{r['target']:g}": r}).items()}
+    """A result's targets, the first one first (a result of an older run has one, in ``target`` and its own fields)."""
+    targets = r["targets"] if "targets" in r else {f"{r['target']:g}": r}
+    return {float(t): hit for t, hit in targets.items()}
+
+
+def same_targets(results: list[dict[str, Any]]) -> None:
+    """Refuse to summarise results read for different targets (``--combine`` of runs with other ``--target`` lists)."""
+    first = list(_targets(results[0]))
+    for r in results[1:]:
+        if list(_targets(r)) != first:
+            raise ValueError(f"seed {r['seed']} was run for targets {list(_targets(r))}, seed {results[0]['seed']} for "
+                             f"{first}: combine runs of the same --target list")
 
 
 def summarise(results: list[dict[str, Any]]) -> str:
@@ -132,7 +141,8 @@ def summarise(results: list[dict[str, Any]]) -> str:
                      f"evaluation {r['eval_s']:.0f} s; "
                      f"generated per trained trajectory {r.get('generated_per_trained', math.nan):.2f}; "
                      f"curve {curve}")
-    cpu = [r["cpu_to_target_s"] for r in results]
+    same_targets(results)
+    cpu = [next(iter(_targets(r).values()))["cpu_to_target_s"] for r in results]  # the first target's
     lines.append(f"CPU time to target (median): {statistics.median(cpu):.0f} s; held-out success at the last step: "
                  + ", ".join(f"{r['final_success']:.1%}" for r in results))
     for t in _targets(results[0]):
@@ -163,7 +173,10 @@ def main() -> None:
     ap.add_argument("--combine", type=Path, nargs="+", default=None, help="summarise --json files of earlier runs")
     args = ap.parse_args()
     if args.combine:
-        print(summarise([r for path in args.combine for r in json.loads(path.read_text())]))
+        try:
+            print(summarise([r for path in args.combine for r in json.loads(path.read_text())]))
+        except ValueError as e:
+            ap.error(f"{e} (in {', '.join(map(str, args.combine))})")
         return
     torch.set_num_threads(args.threads)
     import tether
