@@ -34,9 +34,9 @@ COMPARED = ("optim/loss", "optim/grad_norm", "optim/trained_tokens")
 # a step: measured 1.4e-4 relative on the grad norm by step 4 in task order). 2 ranks streaming several updates a
 # step against 1 rank's train_step: tests/test_learner_group.py ("minis").
 # And trainer.deterministic: without it the engine batches whatever requests wait and the learner's thread count
-# follows timing (docs/determinism.md), so a run's last bits vary from run to run, and Adam's amplification made 1 of
-# ~4 runs of 2 ranks differ from 1 rank by 7e-5 on step 3's grad norm and 1e-4 in the weights (CI, stop 42). Pinned,
-# each run repeats bit for bit (1 rank, and 2: measured 6 of 6) and what is left is the ranks' order of summation.
+# follows timing (docs/determinism.md), so a run's last bits vary from run to run, and Adam's amplification made 2 of
+# 5 test runs here differ (2 ranks vs 1) by 7e-5 on step 3's grad norm and 1e-4 in the weights (CI, stop 42). Pinned,
+# each run repeats bit for bit (measured: 1 rank 2 of 2, 2 ranks 6 of 6); what is left is the ranks' summation order.
 ONE_UPDATE = ("learner.mini_batch_size=64", "learner.gradient_accumulation_steps=4", "trainer.deterministic=true")
 
 
