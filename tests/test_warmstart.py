@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -20,6 +21,7 @@ from tether.env.customer_service.tasks import generate
 from tether.learner.model import build_tiny, load_model_and_tokenizer
 from tether.warmstart import tiny_sft
 from tether.warmstart.demos import DemoError, expert_demos, jsonl_demos, read_conversations
+from tether.warmstart.entities import EntitySwap, world_entities
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +164,15 @@ SMALL = tiny_sft.Recipe(model=dict(hidden_size=64, intermediate_size=128, num_hi
 def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TETHER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tiny_sft, "RECIPE", SMALL)
+    swaps: list[dict] = []
+    monkeypatch.setattr(tiny_sft, "EntitySwap", lambda pools: swaps.append(pools) or EntitySwap(pools))
     cfg = load_config([], ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
     path = runtime.model_path(cfg)
     err = capsys.readouterr().err
-    assert "building the tiny-sft preset (one time" in err and "[tiny-sft] 6 demonstrations" in err
+    assert "building the tiny-sft preset (one time" in err
+    assert "[tiny-sft] 6 demonstrations (6 train tasks × 1, mistakes sampled)" in err
+    # entity_pool: train (the default): the swaps draw among the 6 tasks' entities only, fewer than the database's
+    assert all(0 < len(swaps[0][c]) < len(v) for c, v in world_entities(cfg).items() if c != "stock")
     assert f"s, cached at {path}" in err and "built tiny-sft preset in " in err
     info = json.loads((tmp_path / "cache" / path.rsplit("/", 1)[1] / "tether_warmstart.json").read_text())
     assert info["demonstrations"] == 6 and info["recipe"]["copy_steps"] == 2
@@ -198,6 +205,43 @@ def test_fewer_held_out_tasks_leave_the_world_and_the_train_split_as_they_are():
     small, full = generate(0, 20, 8), generate(0, 20, 64)
     assert small.image == full.image and small.train == full.train and small.eval == full.eval[:8]
     assert generate(0, 20, 65).eval[:64] == full.eval and generate(0, 20, 65).image != full.image
+
+
+def test_stratified_mistakes_replay_each_task_right_and_wrong_in_exact_shares(tokenizer):
+    """Recipe.mistakes / replays / mistake_rate: stratified, exactly round(replays × rate) of each task's replays carry
+    the expert's mistake where one applies (a LATE refund filed DAMAGED); sampled, each replay draws its own."""
+    cfg = load_config([], ["environment.num_train_tasks=40", "environment.num_eval_tasks=4"])
+    tasks = CustomerServiceEnv(cfg).tasks("train")
+    late, plain = (next(t for t in tasks if t.kind == "refund_stated" and t.data["reason_code"] == code)
+                   for code in ("LATE", "DAMAGED"))
+
+    def codes(**fields):
+        demos = tiny_sft.imperfect_demos(cfg, [late, plain], tokenizer, tiny_sft.Recipe(**fields), seed=0)
+        filed = [c["function"]["arguments"]["reason_code"] for d in demos if d.task_id == late.id for m in d.messages
+                 for c in m.get("tool_calls", []) if c["function"]["name"] == "check_refund_policy"]
+        return len(demos), sorted(filed)
+
+    assert codes(mistakes="stratified", replays=5) == (10, ["DAMAGED"] * 3 + ["LATE"] * 2)  # round(5 × 0.6) = 3
+    assert codes(mistakes="stratified", replays=5, mistake_rate=0.2) == (10, ["DAMAGED"] + ["LATE"] * 4)
+    assert codes(mistakes="stratified", replays=2, mistake_rate=0.0) == (4, ["LATE"] * 2)
+    sampled = codes(mistakes="sampled", replays=40)  # 40 draws at 0.6, one per replay: some of each
+    assert sampled[0] == 80 and 10 < sampled[1].count("DAMAGED") < 40
+    n, filed = codes()  # the default: one replay each, its mistakes drawn
+    assert n == 2 and len(filed) == 1
+    with pytest.raises(ValueError, match="Recipe.replays"):
+        tiny_sft.imperfect_demos(cfg, [late], tokenizer, tiny_sft.Recipe(replays=0), seed=0)
+    key = tiny_sft.cache_key
+    for field in ({"mistakes": "stratified"}, {"replays": 2}, {"entity_pool": "database"}):
+        assert key(cfg, tiny_sft.Recipe(**field)) != key(cfg)
+
+
+def test_entity_pool_database_swaps_among_every_entity_of_the_database(tmp_path, monkeypatch):
+    swaps: list[dict] = []
+    monkeypatch.setattr(tiny_sft, "EntitySwap", lambda pools: swaps.append(pools) or EntitySwap(pools))
+    cfg = load_config([], ["environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
+    recipe = replace(SMALL, entity_pool="database", copy_steps=0, dialogue_epochs=0, full_epochs=0)
+    tiny_sft.build_tiny_sft(cfg, tmp_path / "m", recipe=recipe, log=lambda m: None)
+    assert {c: len(v) for c, v in swaps[0].items()} == {c: len(v) for c, v in world_entities(cfg).items()}
 
 
 def test_the_preset_build_says_how_long_it_has_left_after_each_epoch():

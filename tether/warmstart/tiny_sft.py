@@ -15,6 +15,19 @@ The imperfect expert leaves room for RL: greedy decoding of the warm start succe
 tasks, and GRPO takes it to ~65-85 % in 16 steps (README, "Demo"). ``examples/customer_service/demo.py``
 calls ``build_tiny_sft`` into its run directory; ``model.preset: tiny-sft`` builds it once into the cache
 (``tether.runtime.model_path``), keyed by ``cache_key``.
+
+Two recipe switches, off in the demo's preset until its figures are re-measured on them (docs/STATUS.md):
+
+- ``mistakes: stratified`` with ``replays: 5``: each train task replayed 5 times, exactly ``round(5 ×
+  mistake_rate)`` of them with the expert's mistakes where one applies, instead of one replay whose mistakes are
+  drawn per episode. The drawn mistakes leave the right LATE / NOT_NEEDED reason code anywhere between p 0.07 and
+  0.65 depending on the build's seed (``benchmarks/reason_codes.py``), and below ~0.1 RL did not find it in 32
+  steps; stratified, 0.25-0.58 on two builds.
+- ``entity_pool: database``: the swaps and the copy task draw among every entity of the database instead of the
+  train demonstrations' (``entities.py``: the preset copies those in 0.97 of entity tokens, the others in 0.83).
+
+Both (epochs 5 / 1), measured with ``benchmarks/time_to_target.py --steps 32``: held-out success 42-50 % after SFT,
+90 % by step 8-16 and 100 % at step 32 on RL seeds 0-2, for build seeds 0 and 1.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -38,7 +52,7 @@ from tether.learner.model import BUILD_VERSION, TINY_DEFAULTS, TINY_VOCAB_SIZE, 
 from tether.learner.sft import sft
 from tether.learner.tiny import CHAT_TEMPLATE, IM_START
 from tether.threads import TorchThreads
-from tether.types import Trajectory
+from tether.types import Task, Trajectory
 from tether.warmstart.demos import expert_demos
 from tether.warmstart.entities import (
     CopyTask,
@@ -70,11 +84,32 @@ class Recipe:
     full_lr: float = 1e-3
     batch_size: int = 8
     mistake_rate: float = 0.6
+    mistakes: Literal["sampled", "stratified"] = "sampled"  # per episode (the build's seed), or exact per task
+    replays: int = 1  # each train task's demonstrations
+    entity_pool: Literal["train", "database"] = "train"  # what the swaps and the copy task draw among
     max_train_tasks: int | None = None  # demonstrations of the first N train tasks (None: all)
     seed: int = 0  # the build's seed (model init, expert mistakes, SFT order); RL's is trainer.seed
 
 
 RECIPE = Recipe()
+
+
+def imperfect_demos(cfg: RunConfig, tasks: list[Task], tokenizer: Any, recipe: Recipe, seed: int) -> list[Trajectory]:
+    """``recipe.replays`` demonstrations of each task by the imperfect expert: its mistakes drawn per episode at
+    ``mistake_rate`` (``sampled``), or exactly ``round(replays × mistake_rate)`` of each task's replays with its
+    mistakes where one applies and the rest without (``stratified``)."""
+    if recipe.replays < 1 or not 0.0 <= recipe.mistake_rate <= 1.0:
+        raise ValueError(f"Recipe.replays must be >= 1 and mistake_rate in [0, 1], got {recipe.replays} and "
+                         f"{recipe.mistake_rate}")
+    play = lambda tasks, rate: expert_demos(  # noqa: E731
+        ENVIRONMENT, lambda: CustomerServiceEnv(cfg), tasks, tokenizer, parser=cfg.tool_parser.name,
+        limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window), mistake_rate=rate,
+        seed=seed)
+    if recipe.mistakes == "sampled":
+        return play(tasks * recipe.replays, recipe.mistake_rate)
+    wrong = round(recipe.replays * recipe.mistake_rate)
+    right = recipe.replays - wrong
+    return (play(tasks, 0.0) * right if right else []) + (play(tasks, 1.0) * wrong if wrong else [])
 
 
 def without_system_prompt(traj: Trajectory, turn_start: int) -> Trajectory:
@@ -183,14 +218,14 @@ def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, 
     vocab = EntityVocab.build(names, tokenizer)
     init_entity_embeddings(model, vocab, seed)
     tasks = CustomerServiceEnv(cfg).tasks("train")[: recipe.max_train_tasks]
-    demos = expert_demos(ENVIRONMENT, lambda: CustomerServiceEnv(cfg), tasks, tokenizer,
-                         limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window),
-                         parser=cfg.tool_parser.name, mistake_rate=recipe.mistake_rate, seed=seed)
+    demos = imperfect_demos(cfg, tasks, tokenizer, recipe, seed)
     ok = sum(d.success for d in demos) / len(demos)
-    log(f"{len(demos)} demonstrations, expert success {ok:.0%}, "
+    log(f"{len(demos)} demonstrations ({len(tasks)} train tasks × {recipe.replays}, mistakes {recipe.mistakes}), "
+        f"expert success {ok:.0%}, "
         f"{sum(len(d.prompt_ids) + len(d.response_ids) for d in demos) / len(demos):.0f} tokens each; "
         f"{sum(len(v) for v in names.values())} entity tokens ({', '.join(f'{len(v)} {c}' for c, v in names.items())})")
-    pools = vocab.pools(t for d in demos for t in d.prompt_ids + d.response_ids)  # train entities only
+    pools = (vocab.ids if recipe.entity_pool == "database"  # every entity of the database (entities.py)
+             else vocab.pools(t for d in demos for t in d.prompt_ids + d.response_ids))  # the train demos' only
     entity_ids = {i for v in vocab.ids.values() for i in v}
     copy_task = CopyTask(pools, vocab.markers, seed=seed, pad_id=tokenizer.pad_token_id,
                          filler=[t for d in demos for t in d.prompt_ids + d.response_ids if t not in entity_ids])
