@@ -155,17 +155,23 @@ def test_a_build_stopped_by_a_signal_leaves_nothing_behind(tmp_path, sig, code):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture
+def swaps(monkeypatch) -> list[dict]:
+    """The pools of every EntitySwap a build makes (what the SFT swaps draw among)."""
+    made: list[dict] = []
+    monkeypatch.setattr(tiny_sft, "EntitySwap", lambda pools: made.append(pools) or EntitySwap(pools))
+    return made
+
+
 SMALL = tiny_sft.Recipe(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=1),
                         corpus_texts=60, copy_steps=2, copy_batch_size=4, dialogue_epochs=1, full_epochs=1,
                         max_train_tasks=6)
 
 
-def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys):
+def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, capsys, swaps):
     monkeypatch.setenv("TETHER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tiny_sft, "RECIPE", SMALL)
-    swaps: list[dict] = []
-    monkeypatch.setattr(tiny_sft, "EntitySwap", lambda pools: swaps.append(pools) or EntitySwap(pools))
     cfg = load_config([], ["model.preset=tiny-sft", "environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
     path = runtime.model_path(cfg)
     err = capsys.readouterr().err
@@ -235,9 +241,7 @@ def test_stratified_mistakes_replay_each_task_right_and_wrong_in_exact_shares(to
         assert key(cfg, tiny_sft.Recipe(**field)) != key(cfg)
 
 
-def test_entity_pool_database_swaps_among_every_entity_of_the_database(tmp_path, monkeypatch):
-    swaps: list[dict] = []
-    monkeypatch.setattr(tiny_sft, "EntitySwap", lambda pools: swaps.append(pools) or EntitySwap(pools))
+def test_entity_pool_database_swaps_among_every_entity_of_the_database(tmp_path, swaps):
     cfg = load_config([], ["environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
     recipe = replace(SMALL, entity_pool="database", copy_steps=0, dialogue_epochs=0, full_epochs=0)
     tiny_sft.build_tiny_sft(cfg, tmp_path / "m", recipe=recipe, log=lambda m: None)

@@ -101,10 +101,11 @@ def imperfect_demos(cfg: RunConfig, tasks: list[Task], tokenizer: Any, recipe: R
     if recipe.replays < 1 or not 0.0 <= recipe.mistake_rate <= 1.0:
         raise ValueError(f"Recipe.replays must be >= 1 and mistake_rate in [0, 1], got {recipe.replays} and "
                          f"{recipe.mistake_rate}")
-    play = lambda tasks, rate: expert_demos(  # noqa: E731
-        ENVIRONMENT, lambda: CustomerServiceEnv(cfg), tasks, tokenizer, parser=cfg.tool_parser.name,
-        limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window), mistake_rate=rate,
-        seed=seed)
+    def play(tasks: list[Task], rate: float) -> list[Trajectory]:
+        return expert_demos(ENVIRONMENT, lambda: CustomerServiceEnv(cfg), tasks, tokenizer, parser=cfg.tool_parser.name,
+                            limits=LoopLimits.from_config(cfg.agent_loop, cfg.environment.state.context_window),
+                            mistake_rate=rate, seed=seed)
+
     if recipe.mistakes == "sampled":
         return play(tasks * recipe.replays, recipe.mistake_rate)
     wrong = round(recipe.replays * recipe.mistake_rate)
