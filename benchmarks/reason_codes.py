@@ -18,16 +18,20 @@ demonstrations, the share of entity tokens (order ids, SKUs, amounts, stock leve
 its argmax gets right, teacher-forced, by class, with the mean p(right entity).
 
 Measured (session 21, 32 RL steps of the demo config from each build, `tether train … --set model.path=BUILD`):
-- the demo's preset (digit-coded entities, build seed 0): LATE 0.65, NOT_NEEDED 0.18 (greedy: LATE right, NOT_NEEDED
-  wrong); after RL, seeds 0 / 1: LATE 0.95 / 0.95, NOT_NEEDED 0.61 / 0.92, held-out 84.4 / 81.2 %; 8 of the 10
-  held-out failures of seed 0 are an entity copied wrong (an id or an amount), none a reason code.
+- the demo's preset then (digit-coded entities, mistakes sampled, train entity pool, build seed 0): LATE 0.65,
+  NOT_NEEDED 0.18 (greedy: LATE right, NOT_NEEDED wrong); after RL, seeds 0 / 1: LATE 0.95 / 0.95, NOT_NEEDED
+  0.61 / 0.92, held-out 84.4 / 81.2 %; 8 of the 10 held-out failures of seed 0 are an entity copied wrong (an id
+  or an amount), none a reason code.
 - random entity codes, build seed 2 (a scratch recipe, not shipped): LATE 0.07, NOT_NEEDED 0.47; after RL (seed 0)
   NOT_NEEDED 0.84-0.94 while LATE stays 0.04-0.07 — also with no KL penalty, at lr 1e-4, at temperature 1.0 or
   without task selection — and every held-out LATE task fails (at step 20: 8 of the 10 failures, success 84.4 %);
   sampled (8 per train LATE task): 16 LATE calls in 272 episodes, 12 of them successes.
 So the same ``mistake_rate`` (0.6) leaves the right code anywhere from 0.07 to 0.65 depending on the build's seed,
-and below ~0.1 RL does not find it in 32 steps. ``--copy``: 0.891 of 165 entity tokens for the preset, 0.945 for the
+and below ~0.1 RL does not find it in 32 steps. ``--copy``: 0.891 of 165 entity tokens for that preset, 0.945 for the
 random-code build (amounts the weakest class in both: 20 and 19 of 26).
+Session 22: the preset's recipe now stratifies the mistakes (1 right and 2 wrong replays of each task) and swaps
+among every entity of the database: LATE / NOT_NEEDED 0.36 / 0.33 (build seed 0), and held-out copy 1.000 (build
+seeds 0 and 1).
 """
 
 from __future__ import annotations

@@ -176,12 +176,12 @@ def test_tiny_sft_preset_is_built_once_into_the_cache(tmp_path, monkeypatch, cap
     path = runtime.model_path(cfg)
     err = capsys.readouterr().err
     assert "building the tiny-sft preset (one time" in err
-    assert "[tiny-sft] 6 demonstrations (6 train tasks × 1, mistakes sampled)" in err
-    # entity_pool: train (the default): the swaps draw among the 6 tasks' entities only, fewer than the database's
-    assert all(0 < len(swaps[0][c]) < len(v) for c, v in world_entities(cfg).items() if c != "stock")
+    assert "[tiny-sft] 18 demonstrations (6 train tasks × 3, mistakes stratified)" in err
+    # entity_pool: database (the default): the swaps draw among every entity of the database
+    assert {c: len(v) for c, v in swaps[0].items()} == {c: len(v) for c, v in world_entities(cfg).items()}
     assert f"s, cached at {path}" in err and "built tiny-sft preset in " in err
     info = json.loads((tmp_path / "cache" / path.rsplit("/", 1)[1] / "tether_warmstart.json").read_text())
-    assert info["demonstrations"] == 6 and info["recipe"]["copy_steps"] == 2
+    assert info["demonstrations"] == 18 and info["recipe"]["copy_steps"] == 2
     assert runtime.model_path(cfg) == path and "build" not in capsys.readouterr().err  # cached: no second build
     assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 64
     assert tiny_sft.cache_key(cfg, SMALL) == tiny_sft.cache_key(cfg) != tiny_sft.cache_key(cfg, tiny_sft.Recipe())
@@ -232,20 +232,20 @@ def test_stratified_mistakes_replay_each_task_right_and_wrong_in_exact_shares(to
     assert codes(mistakes="stratified", replays=2, mistake_rate=0.0) == (4, ["LATE"] * 2)
     sampled = codes(mistakes="sampled", replays=40)  # 40 draws at 0.6, one per replay: some of each
     assert sampled[0] == 80 and 10 < sampled[1].count("DAMAGED") < 40
-    n, filed = codes()  # the default: one replay each, its mistakes drawn
-    assert n == 2 and len(filed) == 1
+    assert codes() == (6, ["DAMAGED"] * 2 + ["LATE"])  # the default: stratified, 3 replays, round(3 × 0.6) = 2 wrong
     with pytest.raises(ValueError, match="Recipe.replays"):
         tiny_sft.imperfect_demos(cfg, [late], tokenizer, tiny_sft.Recipe(replays=0), seed=0)
     key = tiny_sft.cache_key
-    for field in ({"mistakes": "stratified"}, {"replays": 2}, {"entity_pool": "database"}):
+    for field in ({"mistakes": "sampled"}, {"replays": 2}, {"entity_pool": "train"}):
         assert key(cfg, tiny_sft.Recipe(**field)) != key(cfg)
 
 
-def test_entity_pool_database_swaps_among_every_entity_of_the_database(tmp_path, swaps):
+def test_entity_pool_train_swaps_among_the_train_demonstrations_entities_only(tmp_path, swaps):
     cfg = load_config([], ["environment.num_train_tasks=10", "environment.num_eval_tasks=4"])
-    recipe = replace(SMALL, entity_pool="database", copy_steps=0, dialogue_epochs=0, full_epochs=0)
+    recipe = replace(SMALL, entity_pool="train", copy_steps=0, dialogue_epochs=0, full_epochs=0)
     tiny_sft.build_tiny_sft(cfg, tmp_path / "m", recipe=recipe, log=lambda m: None)
-    assert {c: len(v) for c, v in swaps[0].items()} == {c: len(v) for c, v in world_entities(cfg).items()}
+    # the 6 tasks' entities only, fewer than the database's
+    assert all(0 < len(swaps[0][c]) < len(v) for c, v in world_entities(cfg).items() if c != "stock")
 
 
 def test_the_preset_build_says_how_long_it_has_left_after_each_epoch():

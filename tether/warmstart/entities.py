@@ -20,10 +20,10 @@ are read from the DB, like a product catalogue) and makes those tokens easy to c
   only way to predict it.
 
 What the swaps and the copy task draw among is the recipe's ``entity_pool``: the entities that occur in the train
-demonstrations (``train``, the demo's preset today) or every entity of the database (``database``: the catalogue
+demonstrations (``train``) or every entity of the database (``database``, the demo's preset: the catalogue
 the agent's tools read; which task mentions which id is never used). Frozen codes do not stop a model from
 preferring the ids it is trained to emit (a bias in the code subspace does): teacher-forced on the expert's
-demonstrations, the preset copies the train demonstrations' entities right in 0.97 of entity tokens, in train and
+demonstrations, a ``train`` build copies the train demonstrations' entities right in 0.97 of entity tokens, in train and
 held-out dialogues alike, and the database's other entities in 0.83; its held-out copy failures are near
 neighbours absent from the context (``O-7858`` -> ``O-4868``, ``226.00`` -> ``223.50``). With ``database``, 0.93-1.00
 on the held-out demonstrations (four builds). Neither uses a held-out task. RL then runs on the plain model (no

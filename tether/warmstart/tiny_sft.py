@@ -11,23 +11,17 @@ degenerate (all rewards equal) and RL has nothing to learn from. ``tiny-sft`` is
    (``dialogue_epochs``), then on the exact sequences RL will generate (``full_epochs``) — with entity ids
    swapped at random each time a demonstration is trained on.
 
-The imperfect expert leaves room for RL: greedy decoding of the warm start succeeds on ~35-50 % of held-out
-tasks, and GRPO takes it to ~65-85 % in 16 steps (README, "Demo"). ``examples/customer_service/demo.py``
-calls ``build_tiny_sft`` into its run directory; ``model.preset: tiny-sft`` builds it once into the cache
-(``tether.runtime.model_path``), keyed by ``cache_key``.
-
-Two recipe switches, off in the demo's preset until its figures are re-measured on them (docs/STATUS.md):
-
-- ``mistakes: stratified`` with ``replays: 5``: each train task replayed 5 times, exactly ``round(5 ×
-  mistake_rate)`` of them with the expert's mistakes where one applies, instead of one replay whose mistakes are
-  drawn per episode. The drawn mistakes leave the right LATE / NOT_NEEDED reason code anywhere between p 0.07 and
-  0.65 depending on the build's seed (``benchmarks/reason_codes.py``), and below ~0.1 RL did not find it in 32
-  steps; stratified, 0.25-0.58 on two builds.
-- ``entity_pool: database``: the swaps and the copy task draw among every entity of the database instead of the
-  train demonstrations' (``entities.py``: the preset copies those in 0.97 of entity tokens, the others in 0.83).
-
-Both (epochs 5 / 1), measured with ``benchmarks/time_to_target.py --steps 32``: held-out success 42-50 % after SFT,
-90 % by step 8-16 and 100 % at step 32 on RL seeds 0-2, for build seeds 0 and 1.
+The imperfect expert leaves room for RL: its mistakes are stratified (``mistakes``, ``replays``): each train task is
+replayed 3 times, exactly ``round(3 × mistake_rate)`` = 2 of them with the expert's mistakes where one applies and
+one without, so the right and the wrong LATE / NOT_NEEDED refund code both stay in the warm start's distribution
+(``benchmarks/reason_codes.py``: drawn per episode instead, ``sampled``, the right code's probability lands anywhere
+between 0.07 and 0.65 by the build's seed, and below ~0.1 RL did not find it in 32 steps). The swaps and the copy
+task draw among every entity of the database (``entity_pool: database``; ``train``, the train demonstrations'
+entities only, leaves the model preferring those: 0.97 of their tokens copied right, 0.83 of the others',
+``entities.py``). Measured on build seeds 0 and 1 (session 22, ``benchmarks/time_to_target.py --steps 32``):
+greedy decoding of the warm start succeeds on 36 % of held-out tasks, and GRPO reaches 90 % within 32 steps on RL
+seeds 0-2 (README, "Measured", for this commit's figures). ``examples/customer_service/demo.py`` calls
+``model_path``, which builds the preset once into the cache (``tether.runtime.model_path``), keyed by ``cache_key``.
 """
 
 from __future__ import annotations
@@ -78,15 +72,15 @@ class Recipe:
     copy_steps: int = 100  # the copy task alone, before SFT
     copy_lr: float = 3e-3
     copy_batch_size: int = 32
-    dialogue_epochs: int = 12  # system prompt dropped, copy task alongside
+    dialogue_epochs: int = 6  # system prompt dropped, copy task alongside
     dialogue_lr: float = 3e-3
-    full_epochs: int = 3  # the exact sequences RL will generate
+    full_epochs: int = 1  # the exact sequences RL will generate
     full_lr: float = 1e-3
     batch_size: int = 8
     mistake_rate: float = 0.6
-    mistakes: Literal["sampled", "stratified"] = "sampled"  # per episode (the build's seed), or exact per task
-    replays: int = 1  # each train task's demonstrations
-    entity_pool: Literal["train", "database"] = "train"  # what the swaps and the copy task draw among
+    mistakes: Literal["sampled", "stratified"] = "stratified"  # exact shares per task, or drawn per episode
+    replays: int = 3  # each train task's demonstrations (stratified at 0.6: 1 right, 2 with the mistakes)
+    entity_pool: Literal["train", "database"] = "database"  # what the swaps and the copy task draw among
     max_train_tasks: int | None = None  # demonstrations of the first N train tasks (None: all)
     seed: int = 0  # the build's seed (model init, expert mistakes, SFT order); RL's is trainer.seed
 
@@ -201,7 +195,7 @@ def cache_key(cfg: RunConfig, recipe: Recipe | None = None) -> str:
 def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, recipe: Recipe | None = None,
                    log: Callable[[str], None] = print) -> Path:
     """Build the tiny model and fine-tune it on imperfect demonstrations into ``out`` (an HF folder); the
-    recipe defaults to ``RECIPE``, the seed to the recipe's (the demo passes one per RL seed).
+    recipe defaults to ``RECIPE``, the seed to the recipe's.
 
     The torch thread count follows the load (``tether.threads``: re-decided every 25 copy-task steps and every SFT
     epoch, at most the caller's count); the weights' last bits depend on it, so ``tether_warmstart.json`` records
