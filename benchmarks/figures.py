@@ -331,7 +331,7 @@ REGISTRY: list[Figure] = [
     Figure("report", "`tether report` on a real fully_async run, the page opened in headless Chromium (skips "
            "without a `chromium` binary)", "pytest tests/test_report.py", pytest_summary, 1),
     Figure("demo", "the demo: tiny-sft warm start, then 16 GRPO steps (sync, 4 updates a step streamed beside the "
-           "rollout, task selection, filter, diversity bonus, correction); "
+           "rollout, filter, diversity bonus, correction); "
            "held-out success on 64 tasks, and `tether verify optim RUN/seedN/rl` on each seed's run",
            "python examples/customer_service/demo.py --seeds 0 1 2", demo, 15, quick="--seeds 0", run=run_demo),
     Figure("step-profile", "one step of the demo's RL phase (8 tasks × 8 rollouts, sync), 2 threads, median of 4 "
