@@ -312,6 +312,23 @@ def test_tis_settings_that_cannot_change_the_weights_warn():
     assert not any("truncation never acts" in w for w in tis(tis_enabled=True, tis_cap=1.1))
 
 
+def test_lr_decay_ends_at_the_runs_last_update_and_its_inert_values_warn():
+    opt = "policy_optimization.optimizer"
+    cfg = load_config([], [f"{opt}.lr_scheduler=cosine", "trainer.total_steps=16", "learner.batch_size=64",
+                           "learner.mini_batch_size=16", "learner.update_frequency=2"])
+    assert cfg.policy_optimization.optimizer.decay_steps == 16 * 4 * 2  # steps × updates a step × epochs
+    assert load_config([], [f"{opt}.lr_scheduler=linear", f"{opt}.decay_steps=7"]).policy_optimization.optimizer \
+        .decay_steps == 7
+    assert RunConfig().policy_optimization.optimizer.decay_steps is None  # constant: nothing to end
+    for key in ("min_lr_ratio=0.1", "decay_steps=100"):
+        assert any(w.startswith(f"{opt}.{key.split('=')[0]} acts with lr_scheduler cosine or linear only")
+                   for w in _warnings(f"{opt}.{key}")), key
+    assert any("falls from lr to lr × min_lr_ratio in one update" in w for w in
+               _warnings(f"{opt}.lr_scheduler=cosine", f"{opt}.decay_steps=5", f"{opt}.warmup_steps=4"))
+    assert any("min_lr_ratio = 1" in w for w in _warnings(f"{opt}.lr_scheduler=cosine", f"{opt}.min_lr_ratio=1"))
+    assert not any(w.startswith(opt) for w in _warnings(f"{opt}.lr_scheduler=cosine", f"{opt}.min_lr_ratio=0.1"))
+
+
 def test_the_flagship_example_warns_about_nothing_in_itself():
     """examples/customer_service/config.yaml is the reference a newcomer copies: no value in it is inert at start."""
     assert inert_values(load_config(["examples/customer_service/config.yaml"])) == []

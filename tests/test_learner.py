@@ -261,6 +261,25 @@ def test_linear_warmup_hand_values():
     assert const.lr == 0.1
 
 
+@pytest.mark.parametrize("scheduler,expected", [
+    # W = 2, D = 6, m = 0.2: p = (k - 3) / 3 for updates 3..6, then flat at 0.1 · 0.2
+    ("cosine", [0.05, 0.1, 0.1, 0.1, 0.08, 0.04, 0.02, 0.02]),   # 0.1 · (0.2 + 0.8 · ½(1 + cos πp)): 1, 0.75, 0.25, 0
+    ("linear", [0.05, 0.1, 0.1, 0.1, 0.07333333333, 0.04666666667, 0.02, 0.02]),  # 0.1 · (0.2 + 0.8 (1 - p))
+])
+def test_decay_hand_values(scheduler, expected):
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = PolicyOptimizer([p], lr=0.1, warmup_steps=2, max_grad_norm=10.0, lr_scheduler=scheduler, decay_steps=6,
+                          min_lr_ratio=0.2)
+    lrs = []
+    for k in range(8):
+        p.grad = torch.tensor([1.0, -1.0])
+        r = opt.update(loss_is_finite=k != 2)  # the third call is skipped: the schedule waits for it
+        lrs.append(round(r.lr, 11))
+    assert lrs == pytest.approx(expected, abs=1e-10)
+    with pytest.raises(ValueError, match="decay_steps"):
+        PolicyOptimizer([p], lr=0.1, lr_scheduler=scheduler)
+
+
 def test_learner_reports_warmup_lr(base_model):
     learner = make_learner(copy.deepcopy(base_model), make_cfg(mini=2, lr=1e-3, warmup=8, kl="none"))
     m = learner.train_step(make_trajectories(8), advantages(8))

@@ -106,6 +106,11 @@ LEARNER_FLIPS = [
     ("policy_optimization.optimizer.lr", 3e-3, 1e-3),
     ("policy_optimization.optimizer.weight_decay", 0.01, 0.5),
     ("policy_optimization.optimizer.warmup_steps", 0, 5),
+    ("policy_optimization.optimizer.lr_scheduler", "constant", "cosine",
+     {"policy_optimization.optimizer.decay_steps": 3}),
+    ("policy_optimization.optimizer.min_lr_ratio", 0.0, 0.5, {"policy_optimization.optimizer.lr_scheduler": "linear",
+                                                              "policy_optimization.optimizer.decay_steps": 3}),
+    ("policy_optimization.optimizer.decay_steps", 3, 8, {"policy_optimization.optimizer.lr_scheduler": "cosine"}),
     ("policy_optimization.optimizer.max_grad_norm", 1.0, 0.01),
 ]
 

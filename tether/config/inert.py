@@ -78,6 +78,7 @@ def inert_values(cfg: RunConfig) -> list[str]:
                    "engine's batching cost is paid), but which weights a group is generated with still depends on "
                    "the rollouter's and trainer's timing, so two runs repeat only when that timing does "
                    "(docs/determinism.md)")
+    out += _lr_schedule_inert(cfg)
     opc = cfg.learner.off_policy_correction
     if opc.method == "truncated_importance_sampling" and not opc.tis_enabled:
         out.append("learner.off_policy_correction.tis_enabled = false has no effect with method "
@@ -112,6 +113,20 @@ def inert_values(cfg: RunConfig) -> list[str]:
                    f"{al.max_assistant_turns} × {al.max_parallel_calls} = {reachable} environment steps, so "
                    f"termination.max_turns_exceeded never applies")
     return out
+
+
+def _lr_schedule_inert(cfg: RunConfig) -> list[str]:
+    opt = cfg.policy_optimization.optimizer
+    key = "policy_optimization.optimizer"
+    if opt.lr_scheduler == "constant":
+        return [f"{key}.{k} acts with lr_scheduler cosine or linear only: lr_scheduler is constant"
+                for k in ("min_lr_ratio", "decay_steps") if f"{key}.{k}" in _explicit(cfg)]
+    if opt.decay_steps is not None and opt.decay_steps <= opt.warmup_steps + 1:
+        return [f"{key}.decay_steps = {opt.decay_steps} <= warmup_steps + 1 = {opt.warmup_steps + 1}: the lr falls "
+                f"from lr to lr × min_lr_ratio in one update after the warm-up; set decay_steps above it"]
+    if opt.min_lr_ratio == 1.0:
+        return [f"{key}.min_lr_ratio = 1: the {opt.lr_scheduler} decay ends where it starts (a constant lr)"]
+    return []
 
 
 def max_kl_coef_change(batch_size: int, horizon: int, steps: int) -> float:

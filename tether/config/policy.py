@@ -137,7 +137,16 @@ class OptimizerConfig(Section):
     weight_decay: NonNegFloat = 0.01
     """Decoupled weight decay (AdamW), per update, as a fraction of lr × weight."""
     warmup_steps: NonNegInt = 50
-    """Linear learning-rate warm-up, in optimizer updates (not trainer steps); 0 = constant lr."""
+    """Linear learning-rate warm-up, in optimizer updates (not trainer steps); 0 = none."""
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """After the warm-up: constant lr, or a cosine / linear decay from lr to lr × min_lr_ratio at update
+    decay_steps (verl's ``optim.lr_scheduler_type`` and ``min_lr_ratio``; TRL's ``lr_scheduler_type``)."""
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """The decay's end, as a fraction of lr (cosine / linear only)."""
+    decay_steps: PosInt | None = None
+    """The update (counting applied optimizer updates, the warm-up's included) at which the decay reaches
+    lr × min_lr_ratio, then stays; None = the run's planned updates: trainer.total_steps × learner.batch_size /
+    learner.mini_batch_size × learner.update_frequency (cosine / linear only)."""
     max_grad_norm: PosFloat = 1.0
     """Gradients are clipped to this global L2 norm before each update."""
 

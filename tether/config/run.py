@@ -107,6 +107,7 @@ class RunConfig(Section):
         self._lora_alone()
         self._constrained_tool_calls()
         self._algorithm_defaults()
+        self._lr_decay_horizon()
         check_reward(self)
         name_secrets(self)
         return self
@@ -170,6 +171,13 @@ class RunConfig(Section):
             kl.type = "none"
         elif spec.kl_coef > 0.0 and unset(kl, "init_coef"):
             kl.init_coef = spec.kl_coef
+
+    def _lr_decay_horizon(self) -> None:
+        """A decaying lr schedule with ``decay_steps`` unset ends at the run's planned last optimizer update."""
+        lc, opt = self.learner, self.policy_optimization.optimizer
+        if opt.lr_scheduler != "constant" and opt.decay_steps is None:
+            opt.decay_steps = (self.trainer.total_steps * (lc.batch_size // lc.mini_batch_size)
+                               * lc.update_frequency)
 
     def warnings(self) -> list[str]:
         """Values that are valid but cannot act within this run (e.g. an interval longer than the run), one
