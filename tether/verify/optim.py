@@ -54,7 +54,8 @@ def criteria(kl: KLControlConfig) -> list[Criterion]:
         f"optim/kl_divergence < max_kl = {max_kl:g}", lambda v: v < max_kl,
         diagnosis="the policy drifts from the reference faster than the KL bound allows (distribution shift): "
                   "steps past max_kl skip their remaining updates",
-        remedy="lower policy_optimization.optimizer.lr; tighten the clip (learner.off_policy_correction.clip_ratio, "
+        remedy="lower policy_optimization.optimizer.lr, or decay it (.lr_scheduler: cosine); tighten the clip "
+               "(learner.off_policy_correction.clip_ratio, "
                "policy_optimization.clip_ratio_low / clip_ratio_high); stronger KL control "
                "(policy_optimization.kl_control.init_coef, .target_kl, adaptive: true with a shorter .horizon)")
     if kl.type == "none":

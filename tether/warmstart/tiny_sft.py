@@ -19,7 +19,7 @@ between 0.07 and 0.65 by the build's seed, and below ~0.1 RL did not find it in 
 task draw among every entity of the database (``entity_pool: database``; ``train``, the train demonstrations'
 entities only, leaves the model preferring those: 0.97 of their tokens copied right, 0.83 of the others',
 ``entities.py``). Measured on build seeds 0 and 1 (session 22, ``benchmarks/time_to_target.py --steps 32``):
-greedy decoding of the warm start succeeds on 36 % of held-out tasks, and GRPO reaches 90 % within 32 steps on RL
+greedy decoding of the warm start succeeds on 34-36 % of held-out tasks, and GRPO reaches 90 % within 32 steps on RL
 seeds 0-2 (README, "Measured", for this commit's figures). ``examples/customer_service/demo.py`` calls
 ``model_path``, which builds the preset once into the cache (``tether.runtime.model_path``), keyed by ``cache_key``.
 """
@@ -217,7 +217,7 @@ def build_tiny_sft(cfg: RunConfig, out: str | Path, *, seed: int | None = None, 
     ok = sum(d.success for d in demos) / len(demos)
     log(f"{len(demos)} demonstrations ({len(tasks)} train tasks × {recipe.replays}, mistakes {recipe.mistakes}), "
         f"expert success {ok:.0%}, "
-        f"{sum(len(d.prompt_ids) + len(d.response_ids) for d in demos) / len(demos):.0f} tokens each; "
+        f"{_tokens(demos) / len(demos):.0f} tokens each; "
         f"{sum(len(v) for v in names.values())} entity tokens ({', '.join(f'{len(v)} {c}' for c, v in names.items())})")
     pools = (vocab.ids if recipe.entity_pool == "database"  # every entity of the database (entities.py)
              else vocab.pools(t for d in demos for t in d.prompt_ids + d.response_ids))  # the train demos' only
