@@ -50,7 +50,7 @@ def _wait_for(condition):
     raise AssertionError("timed out")
 
 
-def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_trains(tmp_path, monkeypatch):
+def test_the_engine_and_the_learner_each_have_half_the_threads_for_the_whole_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TETHER_THREADS", "2")  # the step's count fixed: not lowered by the tests running beside it
     (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
     cfg = load_config([tmp_path / "cfg.yaml"], ["rollout.mode=sync", "learner.overlap_rollout=true"])
@@ -61,19 +61,21 @@ def test_the_engine_has_every_thread_while_the_learner_waits_and_half_while_it_t
         learner = _Learner(lent)
         with StepUpdate(learner, cfg.policy_optimization.advantage, overlap_rollout=cfg.learner.overlap_rollout,
                         mode=cfg.rollout.mode, ordered=cfg.trainer.deterministic, engine_threads=lent.append) as update:
-            groups = [_group(i) for i in range(3)]
+            assert lent == [2, 1]  # from the step's start, before any group
+            groups = [_group(i) for i in range(4)]
             update.offer(groups[0])
-            _wait_for(lambda: len(lent) == 3)  # trained, and the engine has both threads back
+            _wait_for(lambda: len(learner.update.seen) == 1)  # trained beside the rollout, the learner waits
             learner.update.gate.clear()  # group 1 trains until group 2 is queued too
             update.offer(groups[1])
             update.offer(groups[2])
-            learner.update.gate.set()  # two in a row: the engine keeps one thread in between
-            _wait_for(lambda: len(lent) == 6)
+            learner.update.gate.set()
+            _wait_for(lambda: len(learner.update.seen) == 3)
             trajs = [t for g in groups for t in g.group.trajectories]
-            assert update.train(groups, trajs, torch.zeros(len(trajs)))
+            assert update.train(groups, trajs, torch.zeros(len(trajs)))  # group 3: left after the rollout
         assert learner.finished.is_set()
-        assert learner.update.seen == [(1, 1)] * 3  # each group trained on one thread, the engine on the other
-        assert lent[1:] == [1, 2, 1, 1, 2, 2]  # lent back when the learner waits, and when its worker stops
+        # each group on one thread, the one left after the rollout too, the engine on the other until the rollout ends
+        assert learner.update.seen == [(1, 1)] * 3 + [(1, 2)]
+        assert lent == [2, 1, 2, 2] and torch.get_num_threads() == 2  # the caller's count back when the rollout ends
     finally:
         torch.set_num_threads(saved)
 

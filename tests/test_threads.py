@@ -223,9 +223,9 @@ def test_a_step_adapts_to_the_load_unless_deterministic(caller_threads, monkeypa
     assert _step(cfg, False, lent) == ((2, 1, 1), [1, ("finish", 1)])  # the step on 1 thread, the engine too
     assert lent == [1, 2, 2] and torch.get_num_threads() == caller_threads  # the caller's back after the step
     lent.clear()
-    # deterministic: the caller's 2, pinned (the engine on 1 until the rollout ends, every group on the other 1)
+    # deterministic: the caller's 2, split (the engine on 1 until the rollout ends, every group on the other 1)
     assert _step(cfg, True, lent) == ((2, 2, 1), [1, ("finish", 2)])
     assert lent == [1, 2, 2] and torch.get_num_threads() == caller_threads
-    monkeypatch.setattr(streaming, "_METER", Load(others=0.0))  # quiet: as before tether.threads
+    monkeypatch.setattr(streaming, "_METER", Load(others=0.0))  # quiet: the caller's 2, split the same way
     lent.clear()
-    assert _step(cfg, False, lent) == ((2, 2, 1), [2, ("finish", 2)]) and lent == []
+    assert _step(cfg, False, lent) == ((2, 2, 1), [1, ("finish", 2)]) and lent == [1, 2, 2]

@@ -172,7 +172,7 @@ class Run:
             trainer = start_trainer(rt.model, model_dir, spec, num_ranks=trainer_ranks(cfg))  # plain, FSDP2, N ranks
             closers.append(trainer.close)
             learner = trainer.learner
-            # engine and learner compute at once: the learner's worker lends the engine its threads while it waits
+            # engine and learner compute at once: each on half the threads for the step (tether.pipeline.streaming)
             overlap = overlaps(learner, po.advantage.normalization, overlap_rollout=cfg.learner.overlap_rollout,
                                mode=plan.mode, ordered=plan.deterministic)
             engine_threads = rt.engine.set_num_threads if isinstance(rt.engine, LocalEngine) and overlap else None

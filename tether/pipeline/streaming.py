@@ -27,27 +27,28 @@ arrive in no fixed order, so task order would mean waiting for the whole batch),
 order after it arrives.
 
 Threads. A step's "all threads" (``all_threads``) is decided at its start from the cores other processes leave
-(``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). While both
-compute, the engine's thread and the learner's worker each get half of them (``split_threads``; one each on two
-cores): an OpenMP team of two threads on a core that another busy thread holds waits for it at every barrier, which
-measured slower than one thread each. While the learner waits for a group, the engine has them all
-(``engine_threads``; a decode step of the demo's is 15-25 % faster on two threads than on one). After the rollout the
-trainer's own thread trains what is left with all of them; between steps (evaluation) the engine has the caller's
-count back.
+(``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). When the
+learner trains beside the rollout, the counts are split for the whole step (``split``): the engine's thread gets half
+of them (``split_threads``; one of two cores) from the step's start to the rollout's end, and every group is trained
+on the other half, the groups left after the rollout included; between steps (evaluation) the engine has the
+caller's count back. An OpenMP team of two threads on a core that another busy thread holds waits for it at every
+barrier, and the demo's work items are small: a decode step of ~30 rows, one group's forward and backward. Until
+session 24 the engine took every thread while the learner waited for a group, and the trainer's thread trained the
+groups left after the rollout on all of them; measured on the demo (2 cores, 10-step runs, median of steps 3-10, 2
+runs each, alternated): 2.57 / 2.69 s a step that way, 2.46 / 2.43 s split (the rollout 1.50-1.67 s -> 1.49-1.51 s);
+with the groups left after the rollout trained on both threads instead, 0.28-0.34 s a group against 0.16-0.25 s on
+one. A step that does not overlap (``overlap_rollout: false``, a learner that does not stream) trains on all threads.
 
 Deterministic threads (``trainer.deterministic``). On a CPU a result can depend, in its last bits, on the number of
 torch threads that computed it (how a product's or a reduction's partial sums are split). Measured on the demo's
 model (hidden 128): the engine's logprobs on one thread and on two differ, by up to 5e-6, at some tokens of most
-requests. With the threads traded as above, which engine steps run on half the threads follows the learner's
-timing, and so do the behaviour logprobs, the importance ratios, the gradient and the weights (1 pair of 3 demo runs
-differed: 1.5e-8 on the weights at step 4, then 6 metrics). The learner's side of the demo measured the same on one
-thread and two, but a reduction over more than 32k elements (torch's grain) is split by thread, and which groups
-train beside the rollout and which after it follows timing too. So in deterministic mode the counts are pinned
-(``pinned``): the engine gets half the threads from the step's start to the rollout's end, and every group is trained
-on the other half, the groups left after the rollout included; and the step's count is the caller's, never the
-load's. What that gives up (the engine decodes on half the threads while the learner idles, the groups left after
-the rollout train on half) cost nothing on the demo step, which got faster: a request decoded on its own is too small
-for a second thread to pay (``docs/determinism.md``).
+requests. Were the threads traded between the engine and the learner as they wait for each other, which engine
+steps ran on half the threads would follow the learner's timing, and so would the behaviour logprobs, the
+importance ratios, the gradient and the weights (1 pair of 3 demo runs differed that way: 1.5e-8 on the weights at
+step 4, then 6 metrics); the split keeps them fixed. The learner's side of the demo measured the same on one thread
+and two, but a reduction over more than 32k elements (torch's grain) is split by thread, and which groups train
+beside the rollout and which after it follows timing too: so in deterministic mode every group trains on the same
+half, and the step's count is the caller's, never the load's (``docs/determinism.md``).
 
 Metrics: ``perf/learner_overlap_s`` — learner seconds spent while the rollout was still running (0 without
 overlap), ``perf/learner_after_rollout_s`` — learner seconds after it.
@@ -135,8 +136,8 @@ class StepUpdate:
                  ordered: bool, engine_threads: Callable[[int], object] | None = None):
         """``advantage``: the ``policy_optimization.advantage`` section; ``overlap_rollout`` and ``mode``:
         ``learner.overlap_rollout`` and ``rollout.mode`` (``overlaps``); ``ordered``: ``trainer.deterministic``
-        (groups trained in task order, thread counts pinned: see the module docstring); ``engine_threads(n)``: give
-        the rollout engine n torch threads (from its next step on); None = leave it."""
+        (groups trained in task order, the step on the caller's threads: see the module docstring);
+        ``engine_threads(n)``: give the rollout engine n torch threads (from its next step on); None = leave it."""
         self.learner, self.engine_threads = learner, engine_threads
         self.normalization, self.min_std = advantage.normalization, advantage.degenerate_group_filter.min_reward_std
         self.streams = streams(learner, self.normalization)
@@ -146,8 +147,7 @@ class StepUpdate:
         self.all_threads = step_threads(ordered)
         self.threads = split_threads(self.all_threads)
         self.ordered = ordered
-        # deterministic: every group trained on ``threads``, the engine on ``threads`` until the rollout ends
-        self.pinned = self.overlap and ordered
+        self.split = self.overlap  # the engine on half the threads until the rollout ends, every group on the rest
         self.update: Any = None  # the step's update (an Accumulation, or a LearnerGroup's StreamedStep)
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
         self._advantages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Produced) -> ``advantages`` of it
@@ -159,11 +159,11 @@ class StepUpdate:
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
         self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
         self.overlap_s = 0.0
-        # the engine's count is set for the step (and the caller's given back at its end) when pinned, or when the
-        # load leaves fewer threads than the caller's; before the step's first request: it applies before its next
-        self._engine_moved = self.pinned or (self.overlap and self.all_threads != self.ceiling)
+        # the engine's count is set for the step (and the caller's given back at its end) when split; before the
+        # step's first request: it applies from its next engine step
+        self._engine_moved = self.split
         if self._engine_moved:
-            self._share(self.threads if self.pinned else self.all_threads)
+            self._share(self.threads)
 
     # -- rollout side (the event loop's thread) --------------------------------------------------------------
     def offer(self, produced: Produced) -> None:
@@ -196,11 +196,7 @@ class StepUpdate:
                 except queue.Empty:
                     continue
                 t0 = time.perf_counter()
-                if not self.pinned:
-                    self._share(self.threads)
                 self._add(produced)
-                if self._todo.empty() and not self.pinned:
-                    self._share(self.all_threads)  # the learner waits: the engine has every thread
                 self.overlap_s += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 — surfaced by finish, never swallowed
             self._error = e
@@ -269,8 +265,8 @@ class StepUpdate:
             t0 = time.perf_counter()
             kept = [p for p in produced if _trainable(p)]
             done = set(self.trained)
-            # pinned: the worker's count, a group's gradient is the same on either side
-            with torch_threads(self.threads) if self.pinned else contextlib.nullcontext():
+            # split: the worker's count, a group's gradient is the same on either side
+            with torch_threads(self.threads) if self.split else contextlib.nullcontext():
                 for p in kept:
                     if id(p) not in done:
                         self._add(p)
