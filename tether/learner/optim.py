@@ -72,11 +72,11 @@ class PolicyOptimizer:
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
-        # LambdaLR's counter starts at 0 for the first update, hence + 1.
         if lr_scheduler not in ("constant", "cosine", "linear"):
             raise ValueError(f"lr_scheduler must be constant, cosine or linear, got {lr_scheduler!r}")
         if lr_scheduler != "constant" and decay_steps is None:
             raise ValueError(f"lr_scheduler {lr_scheduler!r} needs decay_steps (the update where the decay ends)")
+        # LambdaLR's counter starts at 0 for the first update, hence + 1.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda k: lr_factor(k + 1, warmup_steps, lr_scheduler, decay_steps, min_lr_ratio)
         )

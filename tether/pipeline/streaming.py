@@ -28,7 +28,7 @@ order after it arrives.
 
 Threads. A step's "all threads" (``all_threads``) is decided at its start from the cores other processes leave
 (``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). When the
-learner trains beside the rollout, the counts are split for the whole step (``split``): the engine's thread gets half
+learner trains beside the rollout, the counts are split for the whole step: the engine's thread gets half
 of them (``split_threads``; one of two cores) from the step's start to the rollout's end, and every group is trained
 on the other half, the groups left after the rollout included; between steps (evaluation) the engine has the
 caller's count back. An OpenMP team of two threads on a core that another busy thread holds waits for it at every
@@ -147,7 +147,6 @@ class StepUpdate:
         self.all_threads = step_threads(ordered)
         self.threads = split_threads(self.all_threads)
         self.ordered = ordered
-        self.split = self.overlap  # the engine on half the threads until the rollout ends, every group on the rest
         self.update: Any = None  # the step's update (an Accumulation, or a LearnerGroup's StreamedStep)
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
         self._advantages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(Produced) -> ``advantages`` of it
@@ -159,10 +158,9 @@ class StepUpdate:
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
         self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
         self.overlap_s = 0.0
-        # the engine's count is set for the step (and the caller's given back at its end) when split; before the
-        # step's first request: it applies from its next engine step
-        self._engine_moved = self.split
-        if self._engine_moved:
+        # overlapping: the engine on half the threads until the rollout ends (the caller's count given back then),
+        # every group on the rest; set before the step's first request, it applies from the engine's next step
+        if self.overlap:
             self._share(self.threads)
 
     # -- rollout side (the event loop's thread) --------------------------------------------------------------
@@ -245,7 +243,7 @@ class StepUpdate:
 
     def _stop_worker(self) -> None:
         self._handoff.set()
-        if self._worker is not None or self._engine_moved:
+        if self.overlap:  # (the worker runs only then)
             if self._worker is not None:
                 self._worker.join()
                 self._worker = None
@@ -265,8 +263,8 @@ class StepUpdate:
             t0 = time.perf_counter()
             kept = [p for p in produced if _trainable(p)]
             done = set(self.trained)
-            # split: the worker's count, a group's gradient is the same on either side
-            with torch_threads(self.threads) if self.split else contextlib.nullcontext():
+            # the worker's count: a group's gradient is the same on either side
+            with torch_threads(self.threads) if self.overlap else contextlib.nullcontext():
                 for p in kept:
                     if id(p) not in done:
                         self._add(p)
