@@ -9,6 +9,8 @@ Tolerance: the gradient summed in another order (float32), as ``test_learner_gro
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -28,8 +30,9 @@ def _learner(tiny, *overrides):
     return make_learner(model, cfg)
 
 
-def _steps(tiny, streamed, *overrides):
-    """Two steps of ``overrides``' learner, streamed in ``CHUNKS`` or by ``train_step``: metrics and weights."""
+def _steps(tiny, streamed, *overrides, parts=False):
+    """Two steps of ``overrides``' learner, streamed in ``CHUNKS`` (or a group a part, two threads at a time:
+    ``parts``) or by ``train_step``: metrics and weights."""
     learner = _learner(tiny, *overrides)
     out = []
     for step in (1, 2):
@@ -42,6 +45,10 @@ def _steps(tiny, streamed, *overrides):
             out.append(learner.train_step(trajs, adv))
             continue
         update = learner.begin_step()
+        if parts:
+            update.add_parts([(g, advantages(g)) for g in groups], 2, 1)
+            out.append(learner.finish_step(update))
+            continue
         assert isinstance(update, StreamedUpdates)
         i = 0
         for n in CHUNKS:
@@ -79,6 +86,34 @@ def test_streamed_updates_are_train_steps(tiny_model, correction, proximal):
     _, one, _ = _steps(tiny_model, False, "learner.mini_batch_size=64", "learner.gradient_accumulation_steps=2",
                        f"learner.off_policy_correction.method={correction}")
     assert max(float((one[k] - streamed[1][k]).abs().max()) for k in one) > 1e-4
+
+
+@pytest.mark.parametrize("sets", [
+    ("learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2"),  # the demo's: 2 groups an update
+    ("learner.mini_batch_size=16", "learner.gradient_accumulation_steps=2",  # updates 2-4 score π_prox: one by one
+     "learner.off_policy_correction.proximal=step_start"),
+    ("learner.mini_batch_size=64", "learner.gradient_accumulation_steps=8")])  # one update: 8 groups on 2 threads
+def test_groups_added_by_two_threads_at_once_make_train_steps_updates(tiny_model, monkeypatch, sets):
+    """``add_parts``: the groups that fit the open update are forwarded and back-propagated two at a time, each on
+    its own thread; the updates are ``train_step``'s (the gradient summed in another order)."""
+    from tether.learner.accumulate import Accumulation
+
+    threads, real = set(), Accumulation.add
+
+    def add(self, batch):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return real(self, batch)
+
+    monkeypatch.setattr(Accumulation, "add", add)
+    added = _steps(tiny_model, True, *sets, parts=True)
+    _same(added, _steps(tiny_model, False, *sets))
+    assert "tether-learner" in threads  # the parts were added from the pool's threads
+    assert added[2].concurrent_adds
+    # model.lora: the KL reference is the policy with its adapter switched off, for every thread: one at a time
+    from tether.learner import lora
+
+    cfg = load_config([DEMO], ["model.preset=null", f"model.path={tiny_model}", "model.lora.rank=8"])
+    assert not make_learner(lora.wrap(load_model_and_tokenizer(tiny_model)[0], cfg.model.lora), cfg).concurrent_adds
 
 
 def test_the_max_kl_guard_stops_a_streamed_step_as_it_stops_train_step(tiny_model):
@@ -167,3 +202,13 @@ def test_proximal_update_start_scores_nothing_and_changes_a_step_of_several_upda
     one = [_steps(tiny_model, False, "learner.mini_batch_size=64", f"learner.off_policy_correction.proximal={p}")
            for p in ("step_start", "update_start")]
     assert all(torch.equal(one[0][1][k], one[1][1][k]) for k in one[0][1])
+
+
+def test_a_part_that_fails_on_another_thread_raises_in_the_caller(tiny_model):
+    learner = _learner(tiny_model, "learner.mini_batch_size=64", "learner.gradient_accumulation_steps=8")
+    groups = batch(1, learner.model.config.vocab_size)
+    behave(learner.model, groups, 1)
+    update = learner.begin_step()
+    parts = [(g, advantages(g)) for g in groups[:3]] + [(groups[3], advantages(groups[3])[:-1])]  # one short
+    with pytest.raises(ValueError, match="advantages"):
+        update.add_parts(parts, 2, 1)

@@ -110,3 +110,46 @@ def test_each_group_advantages_are_computed_once_and_are_the_whole_batch_ones(tm
     assert row["optim/advantage_std"] == float(m["advantage_std"])
     assert row["optim/degenerate_group_ratio"] == float(m["degenerate_group_ratio"]) == float(torch.tensor(1 / 3))
     assert row["optim/nonzero_advantage_ratio"] == float(torch.tensor(6 / 9))  # the degenerate group's 3 are 0
+
+
+class _PartsUpdate(_Accumulation):
+    def __init__(self, lent):
+        super().__init__(lent)
+        self.parts = []
+
+    def add_parts(self, parts, workers, threads):
+        self.parts.append((len(parts), workers, threads))
+        for trajs, adv in parts:
+            self.add_trajectories(trajs, adv)
+
+
+def _left_after_the_rollout(cfg, mode, ordered, concurrent=True):
+    """A step of 3 groups, all finished as the rollout ends (none offered): how the learner was asked to add them."""
+    learner = _Learner([2])
+    learner.concurrent_adds = concurrent
+    learner.update = _PartsUpdate([2])
+    groups = [_group(i) for i in range(3)]
+    with StepUpdate(learner, cfg.policy_optimization.advantage, overlap_rollout=True, mode=mode, ordered=ordered,
+                    engine_threads=[2].append) as update:
+        trajs = [t for g in groups for t in g.group.trajectories]
+        assert update.train(groups, trajs, torch.zeros(len(trajs)))
+    assert learner.finished.is_set() and len(learner.update.trajectories) == 6
+    return learner.update.parts
+
+
+def test_the_groups_left_after_a_sync_rollout_are_added_two_at_a_time(tmp_path, monkeypatch):
+    """The engine idles once a sync rollout ends: its half of the threads trains groups too (two threads add groups
+    at once, each on half); not in deterministic mode (which groups are left follows timing), nor in the async modes
+    (the engine goes on generating), nor for a learner that adds one group at a time (a ``LearnerGroup``)."""
+    monkeypatch.setenv("TETHER_THREADS", "2")
+    (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
+    cfg = load_config([tmp_path / "cfg.yaml"], [])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _left_after_the_rollout(cfg, "sync", False) == [(3, 2, 1)]
+        assert _left_after_the_rollout(cfg, "sync", True) == []  # one by one, on the worker's half
+        assert _left_after_the_rollout(cfg, "fully_async", False) == []
+        assert _left_after_the_rollout(cfg, "sync", False, concurrent=False) == []
+    finally:
+        torch.set_num_threads(saved)

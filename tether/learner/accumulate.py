@@ -20,6 +20,7 @@ log-probabilities, the teacher's tensors) → ``loss_fn`` (``loss.py``, a pure f
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -31,12 +32,14 @@ from tether.algo import loss_denominator, mismatch_metrics
 from tether.learner.batch import TrainBatch
 from tether.learner.logits import forward
 from tether.learner.loss import LossInputs, loss_fn
+from tether.threads import torch_threads
 from tether.types import Trajectory
 
 if TYPE_CHECKING:
     from tether.learner.learner import Learner
 
 Pairs = dict[str, list[tuple[float, float]]]  # metric -> [(value, weight)]
+Part = tuple[Sequence[Trajectory], torch.Tensor]  # trajectories and their advantages [n]
 
 
 class Accumulation:
@@ -44,8 +47,10 @@ class Accumulation:
 
     ``prox_from_forward``: the weights are those of the step's start, so π_prox is each micro-batch's own forward
     (detached). ``at_start``: the forwards run on the step's starting weights (its first update), so where those are
-    the weights last pushed to the engine they measure the train–inference mismatch. Calls must not overlap (one
-    thread at a time); metrics are kept here and recorded by the learner.
+    the weights last pushed to the engine they measure the train–inference mismatch. ``add`` calls may overlap
+    where ``Learner.concurrent_adds`` allows (``add_parts``: each thread forwards and back-propagates its own
+    micro-batches, autograd sums their gradients under its per-parameter lock, what is kept here is merged under a
+    lock); ``apply`` follows them all. Metrics are kept here and recorded by the learner.
     """
 
     def __init__(self, learner: Learner, *, prox_from_forward: bool, at_start: bool = False):
@@ -58,8 +63,8 @@ class Accumulation:
         self.loss = torch.zeros((), device=self.device)  # Σ undivided micro-batch losses
         self.tokens: Pairs = defaultdict(list)  # per-token metrics, weighted by model tokens
         self.trajectories = self.forwarded_tokens = 0
-        self.busy_s = 0.0  # wall time spent in add
-        self._train_logp: torch.Tensor | None = None  # the last micro-batch's forward logp, detached
+        self.busy_s = 0.0  # wall time spent in add (summed over the threads that add at once)
+        self._merge = threading.Lock()  # what concurrent adds keep here
         self.trained_tokens = 0.0  # model tokens this rank back-propagated (its shares; a weight-0 stand-in adds none)
         learner.optimizer.zero_grad()
         learner.model.train()
@@ -75,42 +80,94 @@ class Accumulation:
         n = batch.num_trajectories
         for mb in batch.split(-(-n // learner.micro_batch_size)):
             mb = mb.to(self.device)
-            self.denom += loss_denominator(mb.loss_mask[:, 1:], learner.objective.agg_mode)  # the whole micro-batch's
+            denom = loss_denominator(mb.loss_mask[:, 1:], learner.objective.agg_mode)  # the whole micro-batch's
             mine, weight = learner.ranks.share(mb)  # this rank's trajectories of it (all of them in one process)
-            out = loss_fn(self.inputs(mine), learner.objective, entropy_coef=learner.entropy_coef,
+            inputs = self.inputs(mine)
+            out = loss_fn(inputs, learner.objective, entropy_coef=learner.entropy_coef,
                           kl_coef=learner.kl_coef, kl_estimator=learner.kl_estimator, distill=learner.distill)
             if out.loss.requires_grad:  # a micro-batch without one model token has a constant loss: no gradient
                 (out.loss if weight == 1.0 else out.loss * weight).backward()
-            self.loss += out.loss.detach() * weight
             n_tok = float(mine.loss_mask.sum()) * weight
-            self.trained_tokens += n_tok
-            for name, value in out.metrics.items():
-                self.tokens[name].append((float(value), n_tok))
-            self._mismatch(mine, weight)
-        self.trajectories += n
-        self.forwarded_tokens += batch.num_tokens
-        self.busy_s += time.perf_counter() - t0
+            pairs = [(name, (float(value), n_tok)) for name, value in out.metrics.items()]
+            pairs += self._mismatch(mine, weight, inputs.logp.detach())
+            with self._merge:
+                self.denom += denom
+                self.loss += out.loss.detach() * weight
+                self.trained_tokens += n_tok
+                for name, pair in pairs:
+                    self.tokens[name].append(pair)
+        with self._merge:
+            self.trajectories += n
+            self.forwarded_tokens += batch.num_tokens
+            self.busy_s += time.perf_counter() - t0
 
-    def _mismatch(self, mb: TrainBatch, weight: float) -> None:
-        """The train–inference mismatch on ``mb``'s tokens that the engine sampled with the weights the learner
-        scored them under (``tether.algo.mismatch_metrics``), as token-weighted pairs: π_prox where it was scored
-        under the pushed weights (DetachActorWorker's, or the step's start while it still equals them), else this
-        forward's own logp at the step's start. Every rank adds the same names (a share with no such token weighs
-        0), so ranks merge alike."""
-        learner = self.learner
-        if self._train_logp is None or mb.versions is None:
+    def add_parts(self, parts: Sequence[Part], workers: int, threads: int) -> None:
+        """``add_trajectories`` of each part; with ``workers`` > 1 (where ``Learner.concurrent_adds``) that many
+        at once, each thread on ``threads`` torch threads. On a CPU two threads that each forward and back-propagate
+        their own group beat one OpenMP team of two on small work items (``tether.pipeline.streaming``)."""
+        if workers <= 1 or len(parts) < 2 or not self.learner.concurrent_adds:
+            for trajectories, advantages in parts:
+                self.add_trajectories(trajectories, advantages)
             return
+
+        todo, lock = list(parts), threading.Lock()
+        errors: list[BaseException] = []  # the first one stops every thread after its current part
+        caller = torch.get_num_threads()
+
+        def drain() -> None:
+            while not errors:
+                with lock:
+                    if not todo:
+                        return
+                    part = todo.pop(0)
+                self.add_trajectories(*part)
+
+        def guarded() -> None:
+            try:
+                drain()
+            except BaseException as e:  # noqa: BLE001 — raised below, in the caller's thread
+                errors.append(e)
+
+        def helper() -> None:
+            torch.set_num_threads(threads)  # this thread's OpenMP team (and the default of threads started later)
+            try:
+                guarded()
+            finally:
+                torch.set_num_threads(caller)
+
+        helpers = [threading.Thread(target=helper, name="tether-learner", daemon=True)
+                   for _ in range(min(workers, len(parts)) - 1)]
+        for t in helpers:
+            t.start()
+        try:
+            with torch_threads(threads):  # the caller adds parts too
+                guarded()
+        finally:
+            for t in helpers:
+                t.join()
+        if errors:
+            raise errors[0]
+
+    def _mismatch(self, mb: TrainBatch, weight: float, train_logp: torch.Tensor
+                  ) -> list[tuple[str, tuple[float, float]]]:
+        """The train–inference mismatch on ``mb``'s tokens that the engine sampled with the weights the learner
+        scored them under (``tether.algo.mismatch_metrics``), as token-weighted (metric, pair)s: π_prox where it was
+        scored under the pushed weights (DetachActorWorker's, or the step's start while it still equals them), else
+        this forward's own logp at the step's start (``train_logp`` [b, T-1], detached). Every rank adds the same
+        names (a share with no such token weighs 0), so ranks merge alike."""
+        learner = self.learner
+        if mb.versions is None:
+            return []
         scored_at_sync = (mb.prox_logp is not None and not self.prox_from_forward
                           and learner.worker.name != "ActorWorker")  # DetachActorWorker: the pushed weights
         version = learner.pushed[1] if scored_at_sync and learner.pushed is not None else self.engine_version
         if version is None:
-            return
+            return []
         mask = mb.loss_mask[:, 1:] * (mb.versions[:, 1:] == version)  # [b, T-1]
-        train = mb.prox_logp[:, 1:] if scored_at_sync and mb.prox_logp is not None else self._train_logp
+        train = mb.prox_logp[:, 1:] if scored_at_sync and mb.prox_logp is not None else train_logp
         m = mismatch_metrics(train, mb.old_logp[:, 1:], mask)
         n = float(m["mismatch_tokens"]) * weight
-        for name in ("logp_abs_diff_mean", "mismatch_kl"):
-            self.tokens[f"rollout/{name}"].append((float(m[name]), n))
+        return [(f"rollout/{name}", (float(m[name]), n)) for name in ("logp_abs_diff_mean", "mismatch_kl")]
 
     def inputs(self, mb: TrainBatch) -> LossInputs:
         """The micro-batch's ``LossInputs``: the policy's forward at the loss positions (with grad), π_prox (this
@@ -120,7 +177,6 @@ class Accumulation:
         sel = mb.loss_mask[:, 1:] > 0  # [b, T-1] the positions the loss reads; logits are computed there only
         policy = forward(learner.model, mb.input_ids, mb.attention_mask, sel, learner.temperature,
                          learner.autocast)  # logp [b, T-1] float32 whatever the compute dtype
-        self._train_logp = policy.logp.detach()  # [b, T-1] at the step's start when at_start (the mismatch's)
         prox_logp: torch.Tensor | None
         if self.prox_from_forward:
             prox_logp = policy.logp.detach()  # [b, T-1] π_prox = the step's starting weights, this very forward

@@ -291,6 +291,14 @@ class Learner:
         return self.epochs == 1 and (not self.objective.needs_prox or self._prox_is_own_forward)
 
     @property
+    def concurrent_adds(self) -> bool:
+        """Whether an update's groups may be added from several threads at once (``Accumulation.add_parts``): on a
+        CPU, in one process, the KL reference a model of its own (not the policy with its adapter switched off,
+        ``model.lora``) and no teacher term."""
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return on_cpu and not self.ranks.sharded and self.lora_scaling is None and self.distill is None
+
+    @property
     def prox_each_update(self) -> bool:
         """Whether every update takes its own π_prox (``off_policy_correction.proximal: update_start`` with an
         objective that needs one): no step-start weights are kept and nothing is scored for later updates."""

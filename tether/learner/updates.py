@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tether.learner.accumulate import Accumulation, Pairs
+from tether.learner.accumulate import Accumulation, Pairs, Part
 from tether.learner.detach import trained_params
 from tether.types import Trajectory
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 class StreamedUpdates:
     """A step's updates of ``mini_batch_size`` trajectories each, applied as each fills; ``close`` applies the
-    last (partial) one. Calls must not overlap (one thread at a time)."""
+    last (partial) one. Calls must not overlap (one thread at a time; ``add_parts`` adds from several)."""
 
     def __init__(self, learner: Learner):
         self.learner = learner
@@ -78,6 +78,30 @@ class StreamedUpdates:
                 self._apply(more=True)
         self.trajectories += len(trajectories)
         self.busy_s += time.perf_counter() - t0
+
+    def add_parts(self, parts: Sequence[Part], workers: int, threads: int) -> None:
+        """``add_trajectories`` of each part in order; the parts that fit the open update together and are forwarded
+        on the weights the model holds (no π_prox scored under the kept starting weights) go to ``Accumulation.
+        add_parts`` (``workers`` threads at once), then the update is applied if they filled it."""
+        i = 0
+        while i < len(parts):
+            run: list[Part] = []
+            room = self.size - self._open.trajectories if self._open is not None else 0
+            while i + len(run) < len(parts) and len(parts[i + len(run)][0]) <= room:
+                room -= len(parts[i + len(run)][0])
+                run.append(parts[i + len(run)])
+            direct = self.updates == 0 or not self.needs_prox or self.per_update  # as _add
+            if len(run) < 2 or not direct or self._open is None:
+                self.add_trajectories(*parts[i])
+                i += 1
+                continue
+            t0 = time.perf_counter()
+            self._open.add_parts(run, workers, threads)
+            self.trajectories += sum(len(trajectories) for trajectories, _ in run)
+            if self._open.trajectories >= self.size:
+                self._apply(more=True)
+            self.busy_s += time.perf_counter() - t0
+            i += len(run)
 
     def _add(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
         assert self._open is not None

@@ -6,8 +6,8 @@ back-propagated at once; with several updates a step (``mini_batch_size`` < ``ba
 it holds ``mini_batch_size`` trajectories, and the next one is fed on the new weights (``tether.learner.updates``).
 In sync mode that happens in a worker thread while the engine generates the other groups and runs the
 degenerate-group filter's resample attempts (``learner.overlap_rollout``): the learner's work moves under the
-rollout's tail instead of following it. When the rollout is done the trainer takes over the groups not yet trained
-(with every torch thread), then applies the update. A dropped group is never trained; nothing else changes what
+rollout's tail instead of following it. When the rollout is done the worker stops after its current group and the
+trainer takes over the groups not yet trained (in sync mode two at a time: see Threads), then applies the update. A dropped group is never trained; nothing else changes what
 is trained: the step's groups, their advantages and the updates are those of ``Learner.train_step`` (to float
 rounding: the gradient is summed in another order; with several updates a mini-batch holds the trajectories in the
 order they were fed, so the groups that make each update are the batch's with ``trainer.deterministic`` and those that
@@ -30,14 +30,22 @@ Threads. A step's "all threads" (``all_threads``) is decided at its start from t
 (``tether.threads``: at most the trainer thread's count, the caller's; the window is the previous step). When the
 learner trains beside the rollout, the counts are split for the whole step: the engine's thread gets half
 of them (``split_threads``; one of two cores) from the step's start to the rollout's end, and every group is trained
-on the other half, the groups left after the rollout included; between steps (evaluation) the engine has the
-caller's count back. An OpenMP team of two threads on a core that another busy thread holds waits for it at every
-barrier, and the demo's work items are small: a decode step of ~30 rows, one group's forward and backward. Until
-session 24 the engine took every thread while the learner waited for a group, and the trainer's thread trained the
-groups left after the rollout on all of them; measured on the demo (2 cores, 10-step runs, median of steps 3-10, 2
-runs each, alternated): 2.57 / 2.69 s a step that way, 2.46 / 2.43 s split (the rollout 1.50-1.67 s -> 1.49-1.51 s);
-with the groups left after the rollout trained on both threads instead, 0.28-0.34 s a group against 0.16-0.25 s on
-one. A step that does not overlap (``overlap_rollout: false``, a learner that does not stream) trains on all threads.
+on the other half; between steps (evaluation) the engine has the caller's count back. An OpenMP team of two threads
+on a core that another busy thread holds waits for it at every barrier, and the demo's work items are small: a decode
+step of ~30 rows, one group's forward and backward. Until session 24 the engine took every thread while the learner
+waited for a group, and the trainer's thread trained the groups left after the rollout on all of them; measured on
+the demo (2 cores, 10-step runs, median of steps 3-10, 2 runs each, alternated): 2.57 / 2.69 s a step that way,
+2.46 / 2.43 s split (the rollout 1.50-1.67 s -> 1.49-1.51 s). In sync mode the engine idles from the rollout's end to
+the next step, so the groups left then are added two at a time (``after_workers``; ``Accumulation.add_parts``: those
+that fit the open update together), each thread on a half, where the learner allows it (``Learner.concurrent_adds``:
+on a CPU, one process, no adapter switched off for the reference, no teacher); not in deterministic mode (which
+groups are left follows timing) nor in the async modes (the engine goes on generating). Two threads that each train
+their own group beat one OpenMP team of two on these work items: measured on the demo (session 25, 8-step runs after
+2 warm-up steps, median step, 3 pairs alternated with the code before): 2.52 / 2.35 / 2.44 s one at a time on one
+thread, 2.31 / 2.15 / 2.07 s two at a time (on one OpenMP team of two instead: 2.55-2.70 s against 2.36-2.38 s).
+Before session 25 the trainer also waited in ``advantages`` while the worker trained the rest on one thread (it kept
+taking the lock): the advantages have their own lock now. A step that does not overlap (``overlap_rollout: false``, a
+learner that does not stream) trains on all threads.
 
 Deterministic threads (``trainer.deterministic``). On a CPU a result can depend, in its last bits, on the number of
 torch threads that computed it (how a product's or a reduction's partial sums are split). Measured on the demo's
@@ -146,6 +154,10 @@ class StepUpdate:
         self.ceiling = torch.get_num_threads()  # the caller's: read in the trainer's thread, given back after the step
         self.all_threads = step_threads(ordered)
         self.threads = split_threads(self.all_threads)
+        # the groups left when a sync rollout ends: two threads add them at once, each on a half (the engine waits for
+        # the next step), unless deterministic (which groups are left follows timing) or async (the engine generates)
+        concurrent = getattr(learner, "concurrent_adds", False)  # (a LearnerGroup's ranks add one group at a time)
+        self.after_workers = 2 if mode == "sync" and not ordered and concurrent else 1
         self.ordered = ordered
         self.update: Any = None  # the step's update (an Accumulation, or a LearnerGroup's StreamedStep)
         self.trained: list[int] = []  # ids of the Produced added, in the order they were
@@ -156,6 +168,7 @@ class StepUpdate:
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # one add at a time (worker or trainer)
+        self._advantages_lock = threading.Lock()  # the advantages cache: asking for them waits for no add
         self._handoff = threading.Event()  # the rollout is done: the worker stops after its current group
         self.overlap_s = 0.0
         # overlapping: the engine on half the threads until the rollout ends (the caller's count given back then),
@@ -213,11 +226,21 @@ class StepUpdate:
             self.update.add_trajectories(produced.group.trajectories, self._group_advantages(produced)[0].float())
             self.trained.append(id(produced))
 
+    def _add_left(self, left: list[Produced]) -> None:
+        """The groups left after a sync rollout, ``after_workers`` at a time (``add_parts``), each on ``threads``."""
+        with self._lock:
+            if self.update is None:
+                self.update = self.learner.begin_step()
+            parts = [(p.group.trajectories, self._group_advantages(p)[0].float()) for p in left]
+            self.update.add_parts(parts, self.after_workers, self.threads)
+            self.trained.extend(id(p) for p in left)
+
     def _group_advantages(self, produced: Produced) -> tuple[torch.Tensor, torch.Tensor]:
-        """``advantages`` of one group, computed the first time it is asked for (under ``_lock``)."""
-        if id(produced) not in self._advantages:
-            self._advantages[id(produced)] = advantages([produced.group], self.normalization, self.min_std)
-        return self._advantages[id(produced)]
+        """``advantages`` of one group, computed the first time it is asked for (by the worker or the trainer)."""
+        with self._advantages_lock:
+            if id(produced) not in self._advantages:
+                self._advantages[id(produced)] = advantages([produced.group], self.normalization, self.min_std)
+            return self._advantages[id(produced)]
 
     def advantages(self, produced: Sequence[Produced]) -> tuple[list[Trajectory], torch.Tensor]:
         """The step's trajectories to train (those of the groups not dropped, in order) and their advantages [N],
@@ -228,9 +251,8 @@ class StepUpdate:
         trajs = [t for p in kept for t in p.group.trajectories]
         if not kept:
             return trajs, torch.zeros(0)
-        if self.streams:
-            with self._lock:  # the worker may be adding a group (and computing its advantages) now
-                parts = [self._group_advantages(p) for p in kept]
+        if self.streams:  # (not behind the worker's add: the groups it has not taken yet are ``train``'s)
+            parts = [self._group_advantages(p) for p in kept]
             adv = torch.cat([a for a, _ in parts])  # [N] float64
             degenerate = torch.stack([d for _, d in parts]).double().mean()  # [] the groups' 0/1 values, averaged
         else:
@@ -263,10 +285,12 @@ class StepUpdate:
             t0 = time.perf_counter()
             kept = [p for p in produced if _trainable(p)]
             done = set(self.trained)
-            # the worker's count: a group's gradient is the same on either side
-            with torch_threads(self.threads) if self.overlap else contextlib.nullcontext():
-                for p in kept:
-                    if id(p) not in done:
+            left = [p for p in kept if id(p) not in done]
+            if self.overlap and self.after_workers > 1 and len(left) > 1:
+                self._add_left(left)
+            else:  # the worker's count: a group's gradient is the same on either side
+                with torch_threads(self.threads) if self.overlap else contextlib.nullcontext():
+                    for p in left:
                         self._add(p)
             if len(self.trained) != len(kept) or sum(len(p.group.trajectories) for p in kept) != len(trajectories):
                 raise RuntimeError(f"the streamed update trained {len(self.trained)} groups of {len(kept)}")
