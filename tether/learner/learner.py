@@ -293,10 +293,12 @@ class Learner:
     @property
     def concurrent_adds(self) -> bool:
         """Whether an update's groups may be added from several threads at once (``Accumulation.add_parts``): on a
-        CPU, in one process, the KL reference a model of its own (not the policy with its adapter switched off,
-        ``model.lora``) and no teacher term."""
+        CPU, in one process, not sharded by FSDP2 (its hooks gather and free the parameters around each forward), the
+        KL reference a model of its own (not the policy with its adapter switched off, ``model.lora``) and no teacher
+        term."""
         on_cpu = next(self.model.parameters()).device.type == "cpu"
-        return on_cpu and not self.ranks.sharded and self.lora_scaling is None and self.distill is None
+        alone = not self.ranks.sharded and not sharded(self.model)
+        return on_cpu and alone and self.lora_scaling is None and self.distill is None
 
     @property
     def prox_each_update(self) -> bool:
