@@ -212,3 +212,17 @@ def test_a_part_that_fails_on_another_thread_raises_in_the_caller(tiny_model):
     parts = [(g, advantages(g)) for g in groups[:3]] + [(groups[3], advantages(groups[3])[:-1])]  # one short
     with pytest.raises(ValueError, match="advantages"):
         update.add_parts(parts, 2, 1)
+
+
+def test_parts_added_at_once_count_their_wall_time_once(tiny_model):
+    """``busy_s`` (what ``perf/tokens_per_s`` divides by) is the wall time of ``add_parts``, not its threads' sum."""
+    import time
+
+    learner = _learner(tiny_model, "learner.mini_batch_size=64", "learner.gradient_accumulation_steps=8")
+    groups = batch(1, learner.model.config.vocab_size)
+    behave(learner.model, groups, 1)
+    update = learner.begin_step()
+    t0 = time.perf_counter()
+    update.add_parts([(g, advantages(g)) for g in groups], 2, 1)
+    wall = time.perf_counter() - t0
+    assert 0 < update.busy_s <= wall and update.trajectories == 64

@@ -63,7 +63,7 @@ class Accumulation:
         self.loss = torch.zeros((), device=self.device)  # Σ undivided micro-batch losses
         self.tokens: Pairs = defaultdict(list)  # per-token metrics, weighted by model tokens
         self.trajectories = self.forwarded_tokens = 0
-        self.busy_s = 0.0  # wall time spent in add (summed over the threads that add at once)
+        self.busy_s = 0.0  # wall time spent in add (add_parts: its own wall time, not its threads' sum)
         self._merge = threading.Lock()  # what concurrent adds keep here
         self.trained_tokens = 0.0  # model tokens this rank back-propagated (its shares; a weight-0 stand-in adds none)
         learner.optimizer.zero_grad()
@@ -112,7 +112,7 @@ class Accumulation:
 
         todo, lock = list(parts), threading.Lock()
         errors: list[BaseException] = []  # the first one stops every thread after its current part
-        caller = torch.get_num_threads()
+        caller, busy, t0 = torch.get_num_threads(), self.busy_s, time.perf_counter()
 
         def drain() -> None:
             while not errors:
@@ -145,6 +145,7 @@ class Accumulation:
         finally:
             for t in helpers:
                 t.join()
+            self.busy_s = busy + time.perf_counter() - t0  # (perf/tokens_per_s divides by it)
         if errors:
             raise errors[0]
 

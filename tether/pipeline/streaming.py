@@ -7,11 +7,11 @@ it holds ``mini_batch_size`` trajectories, and the next one is fed on the new we
 In sync mode that happens in a worker thread while the engine generates the other groups and runs the
 degenerate-group filter's resample attempts (``learner.overlap_rollout``): the learner's work moves under the
 rollout's tail instead of following it. When the rollout is done the worker stops after its current group and the
-trainer takes over the groups not yet trained (in sync mode two at a time: see Threads), then applies the update. A dropped group is never trained; nothing else changes what
-is trained: the step's groups, their advantages and the updates are those of ``Learner.train_step`` (to float
-rounding: the gradient is summed in another order; with several updates a mini-batch holds the trajectories in the
-order they were fed, so the groups that make each update are the batch's with ``trainer.deterministic`` and those that
-finished first otherwise).
+trainer takes over the groups not yet trained (in sync mode two at a time: see Threads), then applies the update. A
+dropped group is never trained; nothing else changes what is trained: the step's groups, their advantages and the
+updates are those of ``Learner.train_step`` (to float rounding: the gradient is summed in another order; with several
+updates a mini-batch holds the trajectories in the order they were fed, so the groups that make each update are the
+batch's with ``trainer.deterministic`` and those that finished first otherwise).
 
 Advantages. Each group's advantages are computed once (``advantages``, the one function for a group and for a
 whole batch): as it is trained when the step streams, all together when it does not (``StepUpdate.advantages``).
