@@ -90,8 +90,7 @@ class StreamedUpdates:
             while i + len(run) < len(parts) and len(parts[i + len(run)][0]) <= room:
                 room -= len(parts[i + len(run)][0])
                 run.append(parts[i + len(run)])
-            direct = self.updates == 0 or not self.needs_prox or self.per_update  # as _add
-            if len(run) < 2 or not direct or self._open is None:
+            if len(run) < 2 or not self._direct or self._open is None:
                 self.add_trajectories(*parts[i])
                 i += 1
                 continue
@@ -103,9 +102,15 @@ class StreamedUpdates:
             self.busy_s += time.perf_counter() - t0
             i += len(run)
 
+    @property
+    def _direct(self) -> bool:
+        """Whether the open update's π_prox is its own forward, or not needed: nothing to score under the kept
+        starting weights."""
+        return self.updates == 0 or not self.needs_prox or self.per_update
+
     def _add(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
         assert self._open is not None
-        if self.updates == 0 or not self.needs_prox or self.per_update:  # π_prox: the own forward, or not needed
+        if self._direct:
             self._open.add_trajectories(trajectories, advantages)
             return
         batch = self.learner.batch_of(trajectories, advantages)
