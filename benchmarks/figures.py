@@ -290,8 +290,9 @@ REGISTRY: list[Figure] = [
     Figure("engine-logprobs", "engine behaviour logprobs vs a teacher-forced forward pass, 64 concurrent rollouts",
            "pytest -s tests/test_rollout_tiny.py -k behaviour_logprobs", printed_max_diff, 0.5),
     Figure("async-vs-sync", "sync vs one_step_off_policy vs fully_async, tools with lognormal latency (median "
-           "500 ms, σ 1.2, cap 8 s), 8 steps × 32 trajectories, 2 threads (printed table below)",
-           "python benchmarks/async_vs_sync.py", async_vs_sync, 3, quick="--steps 4",
+           "500 ms, σ 1.2, cap 8 s), 24 steps × 32 trajectories (the first step's fill spread as a run spreads it), "
+           "2 threads (printed table below)",
+           "python benchmarks/async_vs_sync.py --steps 24", async_vs_sync, 5, quick="--steps 4",
            block=block_from("workload:")),
     Figure("staleness-0", "async at staleness 0 vs sync: identical batches and metrics, weights within 1e-5",
            "pytest tests/test_modes.py", pytest_summary, 2),
