@@ -2,6 +2,7 @@ import json
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,27 @@ def test_wandb_offline_run_holds_the_metrics_and_no_secret(tmp_path, monkeypatch
         if f.is_file():
             data = f.read_bytes()
             assert b"wandbkey-do-not-log" not in data and b"sk-do-not-log" not in data, f
+
+
+def test_a_resume_in_the_same_second_shows_each_step_once(tmp_path):
+    """TensorBoard reads event files in name order (<seconds>.<host>.<pid>): a killed run's file from this very
+    second whose pid sorts last must still be read before the resumed run's, or its steps come after."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "tensorboard"
+    killed = TensorBoardSink(log_dir)
+    for step in (1, 2, 3):  # step 3 was written after the last checkpoint (step 2)
+        killed.write(step, {"reward/mean": float(step)})
+    killed.close()
+    [old] = log_dir.glob("events.out.tfevents.*")
+    parts = old.name.split(".")
+    parts[3], parts[5] = str(int(time.time())), "99999999"  # this second, a pid that sorts after any real one
+    old.rename(log_dir / ".".join(parts))
+
+    resumed = TensorBoardSink(log_dir, purge_step=3)
+    for step in (3, 4):
+        resumed.write(step, {"reward/mean": 10.0 * step})
+    resumed.close()
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -57,6 +57,17 @@ class JsonlSink:
         self._f.close()
 
 
+def _wait_past_existing_events(log_dir: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a file's name is ``events.out.tfevents.<whole
+    seconds>.<host>.<pid>...``: a writer started in the same second as an earlier one (a resume seconds after a
+    fast run's kill) sorts by pid, which can put its steps before the killed run's and undo the purge. Wait until
+    the clock is past the newest existing file's second (at most a second, and only then)."""
+    names = [p.name.split(".") for p in log_dir.glob("events.out.tfevents.*")]
+    stamps = [int(parts[3]) for parts in names if len(parts) > 3 and parts[3].isdigit()]
+    if stamps and (wait := max(stamps) + 1 - time.time()) > 0:
+        time.sleep(wait)
+
+
 class TensorBoardSink:
     """``purge_step``: on resume, the events a killed run wrote at or after this step are discarded by
     TensorBoard, so a resumed run shows every step once."""
@@ -64,6 +75,7 @@ class TensorBoardSink:
     def __init__(self, log_dir: str | Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 — tensorboard only when metrics.tensorboard
 
+        _wait_past_existing_events(Path(log_dir))
         self._w = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, step: int, values: dict[str, float]) -> None:
