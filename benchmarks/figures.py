@@ -357,7 +357,7 @@ REGISTRY: list[Figure] = [
            "python benchmarks/trainer_ranks.py", last_line("2 ranks ÷ 1 rank"), 15, quick="--steps 1 --models demo",
            block=block_from("model")),
     Figure("lora-learning", "the demo's RL phase (16 steps from tiny-sft) with `model.lora` (rank 16, lr 5e-4) vs full "
-           "fine-tuning (the demo's lr, 1.2e-4), 3 seeds each; the trained adapter in the engine vs peft's forward",
+           "fine-tuning (lr 8e-5), 3 seeds each; the trained adapter in the engine vs peft's forward",
            "python benchmarks/lora_learning.py", last_line("LoRA r="), 6, quick="--seeds 0",
            block=block_from("seed 0")),
     Figure("program-learning", "the demo's RL phase (16 steps from tiny-sft) played by examples/openai_agent (the "
