@@ -161,11 +161,12 @@ def test_a_constrained_request_interrupted_by_fair_admission_resumes_in_its_gram
     small = SamplingParams(temperature=1.0, max_tokens=8, seed=99)
     prompt, other = tok.encode("Where is my order O-1234?"), tok.encode("Hello")
 
-    gate = threading.Event()  # the worker waits after the heavy group's first tokens until the small one is queued
+    full = threading.Event()  # the heavy group holds every slot (its requests may be admitted over several steps)
+    gate = threading.Event()  # the worker waits there until the small one is queued
 
     async def contended(engine):
         tasks = [asyncio.ensure_future(engine.generate(prompt, p, group="heavy")) for p in heavy]
-        while engine.stats["generated_tokens"] < 8:  # the heavy group holds every slot
+        while not full.is_set():
             await asyncio.sleep(0.001)
         small_task = asyncio.ensure_future(engine.generate(other, small, group="small"))
         await asyncio.sleep(0)  # it is queued before any heavy call can end (on a loaded machine too)
@@ -178,7 +179,8 @@ def test_a_constrained_request_interrupted_by_fair_admission_resumes_in_its_gram
 
         def gated_step():
             step()
-            if engine.stats["generated_tokens"] >= 8:
+            if len(engine._slots.running) == 8:  # (a slot left free would take the small one without interrupting)
+                full.set()
                 assert gate.wait(30)
 
         engine._step = gated_step
