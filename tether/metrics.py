@@ -59,13 +59,14 @@ class JsonlSink:
 
 def _wait_past_existing_events(log_dir: Path) -> None:
     """TensorBoard reads a folder's event files in name order, and a file's name is ``events.out.tfevents.<whole
-    seconds>.<host>.<pid>...``: a writer started in the same second as an earlier one (a resume seconds after a
+    seconds>.<host>.<pid>...``: a writer started in the same second as an earlier one (a resume in the second of a
     fast run's kill) sorts by pid, which can put its steps before the killed run's and undo the purge. Wait until
-    the clock is past the newest existing file's second (at most a second, and only then)."""
+    the clock is past the newest existing file's second: at most a second, and only then (a file stamped later
+    still, written under a clock ahead of this one, is not waited for)."""
     names = [p.name.split(".") for p in log_dir.glob("events.out.tfevents.*")]
     stamps = [int(parts[3]) for parts in names if len(parts) > 3 and parts[3].isdigit()]
     if stamps and (wait := max(stamps) + 1 - time.time()) > 0:
-        time.sleep(wait)
+        time.sleep(min(wait, 1.0))
 
 
 class TensorBoardSink:
