@@ -199,10 +199,11 @@ def serve_throughput(out: str) -> str:
     stream = find(row.format("stream"), out, "stream line")
     ratio = find(r"^ratio server/local tokens/s = ([\d.]+)", out, "ratio line")
     streamed = find(r"^ratio stream/local tokens/s = ([\d.]+)", out, "stream ratio line")
+    every = find(r"^ratio stream \(--stream-interval 1\)/local tokens/s = ([\d.]+)", out, "interval-1 ratio line")
     first = find(r"^streamed: first content after ([\d.]+) s \(median\)", out, "first content line")
     return (f"{server.group(1)} vs {local.group(1)} tokens/s (**ratio {ratio.group(1)}**), p50 {server.group(2)} s vs "
-            f"{local.group(2)} s; streamed {stream.group(1)} tokens/s (**ratio {streamed.group(1)}**), first content "
-            f"after {first.group(1)} s (median)")
+            f"{local.group(2)} s; streamed {stream.group(1)} tokens/s (**ratio {streamed.group(1)}**; "
+            f"{every.group(1)} at a chunk every token), first content after {first.group(1)} s (median)")
 
 
 def remote_vs_local(out: str) -> str:
@@ -316,8 +317,8 @@ REGISTRY: list[Figure] = [
     Figure("determinism", "sync runs of one seed with `trainer.deterministic: true`, a reference and repeats with "
            "random delays in the learner and the engine: identical logprobs, metrics and weights",
            "pytest tests/test_determinism.py", pytest_summary, 3),
-    Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 2 threads; "
-           "the same requests streamed",
+    Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 1 thread; "
+           "the same requests streamed (`--stream-interval auto`, and 1)",
            "python benchmarks/serve_throughput.py", serve_throughput, 2),
     Figure("serve-load", "`tether serve` under abuse: 200 small chat requests idle, then again while 32 clients "
            "abandon heavy requests (n=32, 3 attempts each) and 4 send 20 MB bodies; the server's RSS",

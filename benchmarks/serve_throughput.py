@@ -7,8 +7,10 @@ greedy, end-of-turn ignored, so every request produces exactly its budget on bot
 - server: the real command, ``tether serve MODEL --port 0`` in a subprocess (``OMP_NUM_THREADS=--threads``),
   driven by the official ``openai.AsyncOpenAI`` client from this process: HTTP, JSON, chat-template rendering,
   decoding and tool-call parsing on the server, response parsing in the client.
-- stream: the same server and requests with ``stream: true`` (and ``include_usage``): a chunk per decode step; then
-  again on a server started with ``--stream-interval`` (default 8 tokens per chunk after the first).
+- stream: the same server and requests with ``stream: true`` (and ``include_usage``), paced by the server's default
+  ``--stream-interval auto`` (a chunk a decode step while at most 16 choices stream, ⌈streaming / 16⌉ tokens a chunk
+  above: 4 at 64 requests in flight); then again on a server started with ``--stream-interval 1`` (every decode step's
+  tokens as a chunk, whatever the load).
 - local: a ``LocalEngine`` (same model, threads and batch size) in this process, each request rendered with the
   chat template and its output decoded, as the agent loop does; no HTTP.
 
@@ -17,17 +19,15 @@ OpenAI-compatible boundary costs on this machine. With ``--pin`` the engine side
 process, or this process for the local run, one thread) and the client core 1, as when clients run on other
 machines; without it, client and server share every core. Each server run also prints the CPU seconds of the client
 (this process) and of the server process (every thread: engine, its OpenMP worker, event loop, workers), to show
-where the cores went. Measured (192 requests, 64 concurrent): ``--pin`` server/local 0.89-0.92 and streamed
-0.82-0.85 with uvloop and httptools (0.83 and 0.71 on uvicorn's pure-Python asyncio loop and h11); unpinned, 7 runs
-on one day with other work beside: 0.85-0.97, streamed 0.71-0.82, with ``--stream-interval 8`` 0.67-0.79 (no
-better). The client's CPU: 0.8-0.9 s plain, 3.9-4.5 s streamed (1.8-2.0 s at 8 tokens per chunk), the server's
-6-7.8 s, in runs of 5-7 s on 2 cores; the in-process run is 2.7k tokens/s at 2 threads, 3.1k at 1 (the tiny model
-gains nothing from a second OpenMP thread, which stalls whenever another process takes its core). Fewer chunks cut
-the client's CPU by half but not the wall time: the engine steps are slower beside the server's event loop and the
-client whatever they cost (traced: median step 14.2-17.6 ms served vs 13.4 ms in-process, at the same 33.5 rows
-per step on average). Usage:
+where the cores went. Measured on a 2-core AMD EPYC host (session 29, 1 thread, one server's engine thread timed
+from /proc): the streamed run at ``--stream-interval 1`` made the client parse ~14k chunks (3.8-4.9 CPU s, ~0.3 ms a
+chunk in the openai SDK) beside the engine, whose steps took 6.7-6.9 s of wall time for 5.3-5.4 s of its CPU (the
+same steps took 5.5 s in-process): 2071-2300 tokens/s against 2740 in-process. At 2 / 4 / 8 tokens a chunk the
+client spent 2.5 / 1.8 / 1.4 CPU s and the rate was 2358-2398 / 2362-2503 / 2477 tokens/s. One OpenMP thread
+suits the tiny model on 2 cores (the in-process run is faster at 1 thread than at 2, and at 2 the server's second
+thread spins beside the client), so ``--threads`` defaults to 1 (both sides'). Usage:
 
-    python benchmarks/serve_throughput.py [--threads 2] [--requests 192] [--concurrency 64] [--model DIR] [--pin]
+    python benchmarks/serve_throughput.py [--threads 1] [--requests 192] [--concurrency 64] [--model DIR] [--pin]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_local(path: str, jobs, threads: int, concurrency: int, max_batch: int):
 
 
 def start_server(path: str, threads: int, max_batch: int, log: Path,
-                 stream_interval: int = 1, cpus: set[int] | None = None) -> tuple[subprocess.Popen, int]:
+                 stream_interval: str = "auto", cpus: set[int] | None = None) -> tuple[subprocess.Popen, int]:
     config = log.with_suffix(".yaml")
     config.write_text(f"engine: {{max_batch_size: {max_batch}}}\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -183,12 +183,12 @@ def summary(name: str, latencies: list[float], tokens: int, wall: float) -> floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=64, help="engine.max_batch_size (both sides)")
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
-    ap.add_argument("--stream-interval", type=int, default=8, help="tokens per chunk of the last streamed run")
+    ap.add_argument("--stream-interval", default="1", help="tokens per chunk of the last streamed run (or auto)")
     ap.add_argument("--pin", action="store_true", help="engine side on core 0 with one thread, client on core 1")
     args = ap.parse_args()
     server_cpus = None

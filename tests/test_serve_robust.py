@@ -326,7 +326,7 @@ def test_a_reachable_host_without_a_key_is_warned_about():
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None, "stream_interval": 1,
+    ([], {"weight_updates": False, "weights_root": None, "max_request_bytes": None, "stream_interval": None,
           "latency_rows": 4}),
     (["--enable-weight-updates", "--weights-root", "/srv/runs", "--max-request-bytes", "1000",
       "--stream-interval", "8", "--latency-rows", "0"],
@@ -345,6 +345,16 @@ def test_the_serve_flags_reach_the_server(tiny_model, monkeypatch, args, expecte
     got = {k: (None if seen[k] is None else str(seen[k])) if k == "weights_root" else seen[k] for k in expected}
     assert got == expected
     assert serve_module.LATENCY_ROWS == 4  # the Python entry points' default is the command's
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-2", "1.5"])
+def test_a_bad_stream_interval_is_refused_naming_the_flag(tiny_model, value):
+    from typer.testing import CliRunner
+
+    from tether.cli import app
+
+    result = CliRunner().invoke(app, ["serve", tiny_model, "--stream-interval", value])
+    assert result.exit_code != 0 and f"--stream-interval {value}" in result.output and "auto" in result.output
 
 
 def test_uvicorn_runs_on_uvloop_and_httptools():

@@ -20,6 +20,7 @@ from tether.engine.base import GenerationResult, SamplingParams, TokenDelta
 from tether.engine.local import LocalEngine
 from tether.engine.scripted import ScriptedEngine
 from tether.learner.model import load_model_and_tokenizer
+from tether.serve.streaming import Pace
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +174,38 @@ def test_stream_interval_sends_fewer_chunks_with_the_same_text_and_logprobs(load
     assert fine_lps == few_lps == [-0.25] * (n - 1)  # the end-of-turn id is not shown
     # the first delta at once, then one per `interval` tokens
     assert len(fine) == n - 1 and len(few) <= 2 + (n - 1) // interval
+
+
+@pytest.mark.parametrize("interval, streaming, expected", [
+    (None, 0, 1), (None, 1, 1), (None, 16, 1), (None, 17, 2), (None, 64, 4), (None, 129, 8), (None, 1000, 8),
+    (3, 1000, 3), (1, 64, 1)])
+def test_the_pace_of_a_stream_follows_how_many_choices_stream(interval, streaming, expected):
+    assert Pace(interval, streaming=streaming).tokens() == expected
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        Pace(0)
+
+
+def test_auto_pacing_tells_one_stream_every_token_and_many_streams_fewer_chunks(loaded):
+    """auto (the default): one choice alone gets a chunk a token, as ``--stream-interval 1``; 40 choices streaming
+    at once get ⌈40 / 16⌉ = 3 tokens a chunk after the first, with the same text."""
+    _, tokenizer = loaded
+    text = "Your order O-1234 shipped on Monday and should arrive by Friday; the tracking number is in your email."
+    shown = len(tokenizer.encode(text, add_special_tokens=False))  # (+ the end-of-turn id, not shown)
+
+    def chunks_per_choice(n: int, interval: int | None) -> list[list[str]]:
+        engine = TricklingEngine(tokenizer, [text] * n)
+        engine.pause = 0.002
+        per: list[list[str]] = [[] for _ in range(n)]
+        with serving(engine, tokenizer, stream_interval=interval) as s:
+            for ch in client(s).chat.completions.create(model="tiny", messages=ASK, stream=True, n=n):
+                for c in ch.choices:
+                    if c.delta.content:
+                        per[c.index].append(c.delta.content)
+        return per
+
+    (alone,) = chunks_per_choice(1, None)
+    assert "".join(alone) == text and len(alone) == shown
+    for interval, most in ((1, shown), (None, 2 + (shown - 1) // 3)):
+        per = chunks_per_choice(40, interval)
+        assert all("".join(p) == text for p in per)
+        assert max(len(p) for p in per) <= most and (interval != 1 or min(len(p) for p in per) == shown)

@@ -374,9 +374,11 @@ def serve(
         "--max-request-bytes", min=1, help="The largest request body of the JSON routes (413 above it; default: 128 "
                                            "bytes per token of the model's context, at least 4 MiB); weight tensors "
                                            "pushed in a body are not bounded.")] = None,
-    stream_interval: Annotated[int, typer.Option(
-        "--stream-interval", min=1, help="Tokens per streamed chunk after a choice's first (vLLM's flag; 1 = every "
-                                         "decode step's tokens as the step ends).")] = 1,
+    stream_interval: Annotated[str, typer.Option(
+        "--stream-interval", help="Tokens per streamed chunk after a choice's first (vLLM's flag; 1 = every decode "
+                                  "step's tokens as the step ends), or auto: 1 while at most 16 choices stream at "
+                                  "once, above that one more token a chunk per 16 more streams (at most 8), so the "
+                                  "chunks a decode step makes stay about 16.")] = "auto",
     latency_rows: Annotated[int, typer.Option(
         "--latency-rows", min=0, help="A request of at most this many choices (n) is latency-sensitive: while one "
                                       "is queued or running, requests of more choices decode at most this many rows "
@@ -398,6 +400,9 @@ def serve(
             raise fail(f"--api-key-env {api_key_env}: the variable {api_key_env} is empty")
     cfg = load_or_exit(config_files or [], set_)
     check_checkpoint(checkpoint, "pass a Hugging Face model folder")
+    interval = None if stream_interval == "auto" else int(stream_interval) if stream_interval.isdigit() else 0
+    if interval == 0:
+        raise fail(f"--stream-interval {stream_interval}: pass a whole number of tokens >= 1, or auto")
     try:
         template = None if chat_template is None else server.read_chat_template(chat_template)
     except ValueError as e:
@@ -406,7 +411,7 @@ def serve(
         server.serve(checkpoint, cfg, host=host, port=port, model_name=served_model_name, api_key=api_key,
                      api_key_env=api_key_env, chat_template=template, max_loras=max_loras,
                      weight_updates=enable_weight_updates, weights_root=weights_root,
-                     max_request_bytes=max_request_bytes, stream_interval=stream_interval,
+                     max_request_bytes=max_request_bytes, stream_interval=interval,
                      latency_rows=latency_rows)
     except OSError as e:  # the port is taken, the host is not an address of this machine
         raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

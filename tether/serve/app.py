@@ -79,7 +79,7 @@ from tether.serve.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
 )
-from tether.serve.streaming import ChoiceStream
+from tether.serve.streaming import ChoiceStream, Pace
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
              extra_stop_ids: tuple[int, ...] = (), api_key: str | None = None, max_loras: int = 4,
              adapter_engine: Callable[[], InferenceEngine] | None = None, weight_updates: bool = False,
              weights_root: str | Path | None = None, max_request_bytes: int | None = None,
-             stream_interval: int = 1) -> FastAPI:
+             stream_interval: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``.
 
     model: the engine's torch module, for ``max_model_len``, ``top_logprobs`` and ``/update_weights_from_disk``
@@ -118,10 +118,9 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
     max_request_bytes: the largest body of a JSON route (413 above it); None = ``default_request_bytes`` of the
         model's context length.
     stream_interval: tokens per streamed chunk after a choice's first (vLLM's ``--stream-interval``; 1 = every
-        decode step's).
+        decode step's); None = auto, by how many choices stream at once (``streaming.Pace``).
     """
-    if stream_interval < 1:
-        raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
+    pace = Pace(stream_interval)
     model = model if model is not None else getattr(engine, "model", None)
     root = None if weights_root is None else Path(weights_root).resolve()
 
@@ -268,7 +267,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         if req.stream and not top_k and (not tools or gen.parser == "hermes"):  # told as the tokens are made
             streams = [ChoiceStream(gen, p, strings, req.skip_special_tokens, req.include_stop_str_in_output,
                                     tools=bool(tools), first_call_only=req.parallel_tool_calls is False, group=ident,
-                                    interval=stream_interval)
+                                    pace=pace)
                        for p in gen.seeded(params, req.n)]
             body = responses.chat_stream_live(view, streams, ident=ident, created=now, model=req.model,
                                               prompt=prompt, include_usage=include_usage,
@@ -312,7 +311,7 @@ def make_app(engine: InferenceEngine, tokenizer: Any, *, model_name: str, model:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream and not req.logprobs:  # told as the tokens are made (logprobs 0 included)
             streams = [ChoiceStream(gen, q, strings, req.skip_special_tokens, req.include_stop_str_in_output,
-                                    group=ident, interval=stream_interval)
+                                    group=ident, pace=pace)
                        for sp in params for q in gen.seeded(sp, req.n)]
             body = responses.completion_stream_live(gen, streams, prompts, n=req.n, ident=ident, created=now,
                                                     model=req.model, logprobs=req.logprobs is not None,

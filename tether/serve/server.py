@@ -62,7 +62,7 @@ LATENCY_ROWS = 4  # ``--latency-rows``' default (benchmarks/serve_load.py)
 def build(checkpoint: str | Path, cfg: RunConfig, *, model_name: str, api_key: str | None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
           weights_root: str | Path | None = None, max_request_bytes: int | None = None,
-          stream_interval: int = 1, latency_rows: int = LATENCY_ROWS) -> tuple[FastAPI, Any]:
+          stream_interval: int | None = None, latency_rows: int = LATENCY_ROWS) -> tuple[FastAPI, Any]:
     """The app over a local engine of ``checkpoint`` (the config's model dtype, engine, rollout and tool-parser
     settings) and the engine, which the caller closes. ``chat_template``: a Jinja chat template that replaces the
     checkpoint's own for rendering chat requests (``tether serve --chat-template``). ``max_loras``: LoRA adapters
@@ -111,8 +111,9 @@ def is_loopback(host: str) -> bool:
 def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, api_key: str | None = None, api_key_env: str | None = None,
           chat_template: str | None = None, max_loras: int = 4, weight_updates: bool = False,
-          weights_root: str | Path | None = None, max_request_bytes: int | None = None, stream_interval: int = 1,
-          latency_rows: int = LATENCY_ROWS, log: Callable[[str], None] | None = None) -> None:
+          weights_root: str | Path | None = None, max_request_bytes: int | None = None,
+          stream_interval: int | None = None, latency_rows: int = LATENCY_ROWS,
+          log: Callable[[str], None] | None = None) -> None:
     """Serve ``checkpoint`` until SIGINT / SIGTERM. The socket is bound before the model loads (a taken port
     fails at once, OSError); ``api_key_env`` only names the key's variable in the start message; ``max_loras``,
     ``weight_updates``, ``weights_root``, ``max_request_bytes``, ``stream_interval``, ``latency_rows``: ``build``'s.

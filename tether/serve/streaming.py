@@ -45,6 +45,34 @@ def _held(text: str, marks: list[str], start: int = 0) -> int:
     return most
 
 
+AUTO_CHUNKS_PER_STEP = 16  # auto pacing: about this many chunks a decode step, however many choices stream
+AUTO_MAX_INTERVAL = 8  # auto pacing: at most this many tokens a chunk
+
+
+@dataclass
+class Pace:
+    """Tokens per streamed chunk after a choice's first, shared by a server's streams (vLLM's ``--stream-interval``).
+
+    ``interval``: a fixed number of tokens (1 = every decode step's tokens as the step ends); None = auto: 1 while at
+    most ``AUTO_CHUNKS_PER_STEP`` choices stream at once, above that ⌈streaming / AUTO_CHUNKS_PER_STEP⌉ (at most
+    ``AUTO_MAX_INTERVAL``). A chunk costs the server and the client the same CPU whatever it carries, so under many
+    concurrent streams the chunks a decode step makes stay about ``AUTO_CHUNKS_PER_STEP``; one stream alone is told
+    every token.
+    """
+
+    interval: int | None = None
+    streaming: int = 0  # choices streaming now (choice_deltas, on the event loop)
+
+    def __post_init__(self) -> None:
+        if self.interval is not None and self.interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 token (or auto), got {self.interval}")
+
+    def tokens(self) -> int:
+        if self.interval is not None:
+            return self.interval
+        return min(AUTO_MAX_INTERVAL, max(1, -(-self.streaming // AUTO_CHUNKS_PER_STEP)))
+
+
 @dataclass
 class _Call:
     header: bool = False  # id and name sent
@@ -63,7 +91,7 @@ class ChoiceStream:
     tools: bool = False
     first_call_only: bool = False
     group: Any = None  # the engine's fair-admission group: the HTTP request's
-    interval: int = 1  # tokens per streamed chunk after the first (choice_deltas)
+    pace: Pace = field(default_factory=lambda: Pace(1))  # tokens per streamed chunk after the first (choice_deltas)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -207,14 +235,15 @@ class ChoiceStream:
 
 async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
                         ) -> AsyncIterator[tuple[dict[str, Any], range] | Choice]:
-    """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``. ``stream.interval``:
-    tokens per chunk (vLLM's ``--stream-interval``): after the first delta, what ``interval`` tokens make is sent as
-    one delta (fewer chunks for the server to send and the client to parse, at the cost of smoothness)."""
-    interval = stream.interval
+    """The deltas of one choice as the engine makes its tokens, then the finished ``Choice``. ``stream.pace``: tokens
+    per chunk after the first delta (``Pace``): what that many tokens make is sent as one delta (fewer chunks for the
+    server to send and the client to parse, at the cost of smoothness)."""
+    pace = stream.pace
     result: GenerationResult | None = None
     tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group if stream.gen.grouped else None)
     pending: list[tuple[dict[str, Any], range]] = []
     held, sent = 0, False  # tokens since the last delta sent; whether one was
+    pace.streaming += 1
     try:
         async for item in tokens:
             if isinstance(item, GenerationResult):
@@ -222,13 +251,14 @@ async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
                 break
             pending.extend(stream.feed(item))
             held += len(item.token_ids)
-            if pending and (held >= interval or not sent):
+            if pending and (not sent or held >= pace.tokens()):
                 for pair in coalesced(pending):
                     yield pair
                 pending, held, sent = [], 0, True
             if stream.stopped:
                 break
     finally:
+        pace.streaming -= 1
         await tokens.aclose()  # aborts the engine request if it is still running
     choice, rest = stream.finish(result, view)
     for pair in coalesced(pending + rest):
