@@ -194,16 +194,19 @@ def scaling(out: str) -> str:
 
 
 def serve_throughput(out: str) -> str:
-    row = r"^{} +\d+ req +\d+ tok +[\d.]+ s +(\d+) tok/s .*latency p50 +([\d.]+) s"
-    local, server = find(row.format("local"), out, "local line"), find(row.format("server"), out, "server line")
-    stream = find(row.format("stream"), out, "stream line")
-    ratio = find(r"^ratio server/local tokens/s = ([\d.]+)", out, "ratio line")
-    streamed = find(r"^ratio stream/local tokens/s = ([\d.]+)", out, "stream ratio line")
-    every = find(r"^ratio stream \(--stream-interval 1\)/local tokens/s = ([\d.]+)", out, "interval-1 ratio line")
+    rounds = r" = ([\d.]+) \(median of \d+ rounds: ([\d. ]+)\)"
+    ratio = find(r"^ratio server/local tokens/s" + rounds, out, "ratio line")
+    streamed = find(r"^ratio stream/local tokens/s" + rounds, out, "stream ratio line")
+    every = find(r"^ratio stream \(--stream-interval 1\)/local tokens/s" + rounds, out, "interval-1 ratio line")
+    local = re.findall(r"^local +\d+ req +\d+ tok +[\d.]+ s +(\d+) tok/s", out, re.MULTILINE)
     first = find(r"^streamed: first content after ([\d.]+) s \(median\)", out, "first content line")
-    return (f"{server.group(1)} vs {local.group(1)} tokens/s (**ratio {ratio.group(1)}**), p50 {server.group(2)} s vs "
-            f"{local.group(2)} s; streamed {stream.group(1)} tokens/s (**ratio {streamed.group(1)}**; "
-            f"{every.group(1)} at a chunk every token), first content after {first.group(1)} s (median)")
+
+    def each(m: re.Match) -> str:
+        return " / ".join(m.group(2).split())
+
+    return (f"**ratio {ratio.group(1)}** ({each(ratio)}); streamed **{streamed.group(1)}** ({each(streamed)}), "
+            f"{every.group(1)} at a chunk every token ({each(every)}); in-process {' / '.join(local)} tokens/s; "
+            f"first content after {first.group(1)} s (median)")
 
 
 def remote_vs_local(out: str) -> str:
@@ -318,7 +321,7 @@ REGISTRY: list[Figure] = [
            "random delays in the learner and the engine: identical logprobs, metrics and weights",
            "pytest tests/test_determinism.py", pytest_summary, 3),
     Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 1 thread; "
-           "the same requests streamed (`--stream-interval auto`, and 1)",
+           "the same requests streamed (`--stream-interval auto`, and 1); medians of 3 alternated rounds",
            "python benchmarks/serve_throughput.py", serve_throughput, 2),
     Figure("serve-load", "`tether serve` under abuse: 200 small chat requests idle, then again while 32 clients "
            "abandon heavy requests (n=32, 3 attempts each) and 4 send 20 MB bodies; the server's RSS",

@@ -15,25 +15,30 @@ greedy, end-of-turn ignored, so every request produces exactly its budget on bot
   chat template and its output decoded, as the agent loop does; no HTTP.
 
 Latency is per request, from its start to its parsed response. The ratio server/local of tokens/s is what the
-OpenAI-compatible boundary costs on this machine. With ``--pin`` the engine side gets core 0 alone (the server
-process, or this process for the local run, one thread) and the client core 1, as when clients run on other
-machines; without it, client and server share every core. Each server run also prints the CPU seconds of the client
-(this process) and of the server process (every thread: engine, its OpenMP worker, event loop, workers), to show
-where the cores went. Measured on a 2-core AMD EPYC host (session 29, 1 thread, one server's engine thread timed
-from /proc): the streamed run at ``--stream-interval 1`` made the client parse ~14k chunks (3.8-4.9 CPU s, ~0.3 ms a
-chunk in the openai SDK) beside the engine, whose steps took 6.7-6.9 s of wall time for 5.3-5.4 s of its CPU (the
-same steps took 5.5 s in-process): 2071-2300 tokens/s against 2740 in-process. At 2 / 4 / 8 tokens a chunk the
-client spent 2.5 / 1.8 / 1.4 CPU s and the rate was 2358-2398 / 2362-2503 / 2477 tokens/s. One OpenMP thread
-suits the tiny model on 2 cores (the in-process run is faster at 1 thread than at 2, and at 2 the server's second
-thread spins beside the client), so ``--threads`` defaults to 1 (both sides'). Usage:
+OpenAI-compatible boundary costs on this machine. The two servers start once; ``--rounds`` rounds then run local,
+server, stream and the interval's stream one after another, and each ratio is the median of its rounds' (this
+machine's speed drifts by 15 % between runs a minute apart: the in-process run alone gave 2615-3054 tokens/s). With
+``--pin`` the engine side gets core 0 alone (the server process, or this process for the local run, one thread) and
+the client core 1, as when clients run on other machines; without it, client and server share every core. Each
+server run also prints the CPU seconds of the client (this process) and of the server process (every thread: engine,
+its OpenMP worker, event loop, workers), to show where the cores went. Measured on a 2-core AMD EPYC host (session
+29, 1 thread, one server's engine thread timed from /proc): the streamed run at ``--stream-interval 1`` made the
+client parse ~14k chunks (3.8-4.9 CPU s, ~0.3 ms a chunk in the openai SDK) beside the engine, whose steps took
+6.7-6.9 s of wall time for 5.3-5.4 s of its CPU (the same steps took 5.5 s in-process): 2071-2300 tokens/s against
+2740 in-process. At 2 / 4 / 8 tokens a chunk the client spent 2.5 / 1.8 / 1.4 CPU s and the rate was 2358-2398 /
+2362-2503 / 2477 tokens/s. One OpenMP thread suits the tiny model on 2 cores (the in-process run is faster at 1
+thread than at 2, and at 2 the server's second thread spins beside the client), so ``--threads`` defaults to 1 (both
+sides'). The first run of 3 rounds (same host, same day): server 0.92, streamed 0.84 (auto) and 0.77 (interval 1).
+Usage:
 
-    python benchmarks/serve_throughput.py [--threads 1] [--requests 192] [--concurrency 64] [--model DIR] [--pin]
+    python benchmarks/serve_throughput.py [--threads 1] [--rounds 3] [--requests 192] [--concurrency 64] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -130,7 +135,7 @@ def cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_server(port: int, jobs, concurrency: int, stream: bool = False, pid: int | None = None):
+def run_server(port: int, pid: int | None, jobs, concurrency: int, stream: bool = False):
     import httpx
     from openai import AsyncOpenAI
 
@@ -189,6 +194,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64, help="engine.max_batch_size (both sides)")
     ap.add_argument("--model", default=None, help="HF model folder (default: the tiny preset)")
     ap.add_argument("--stream-interval", default="1", help="tokens per chunk of the last streamed run (or auto)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of local, server, streamed (auto) and streamed at "
+                                                         "--stream-interval, alternated; the ratios' medians")
     ap.add_argument("--pin", action="store_true", help="engine side on core 0 with one thread, client on core 1")
     args = ap.parse_args()
     server_cpus = None
@@ -196,42 +203,46 @@ def main() -> None:
         if len(os.sched_getaffinity(0)) < 2:
             raise SystemExit("--pin needs two cores")
         args.threads, server_cpus = 1, {0}
-        os.sched_setaffinity(0, server_cpus)  # the local run: engine, rendering and decoding on core 0
 
     torch.set_num_threads(args.threads)
     path = args.model or ensure_tiny(Path(tempfile.gettempdir(), "tether-tiny"))
     jobs = workload(args.requests)
     print(f"model: {path}; threads: {args.threads}; {args.requests} chat requests, {args.concurrency} concurrent, "
-          f"{sum(b for _, b in jobs)} tokens requested (8-128 each, greedy, end-of-turn ignored)")
+          f"{sum(b for _, b in jobs)} tokens requested (8-128 each, greedy, end-of-turn ignored); "
+          f"{args.rounds} rounds")
+    every = f"stream{args.stream_interval}"
+    rates: dict[str, list[float]] = {"local": [], "server": [], "stream": [], every: []}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        ports = {}
+        for name, interval in (("stream", "auto"), (every, args.stream_interval)):
+            proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / f"{name}.log", interval,
+                                      cpus=server_cpus)
+            stack.callback(stop, proc)
+            ports[name] = (port, proc.pid)
+        for r in range(args.rounds):  # alternated, so a drift of the host's speed reaches every side alike
+            print(f"round {r + 1}:")
+            if args.pin:
+                os.sched_setaffinity(0, server_cpus)  # the local run: engine, rendering and decoding on core 0
+            local_cpu = cpu_s()
+            local = run_local(path, jobs, args.threads, args.concurrency, args.max_batch)
+            print(f"local: CPU seconds {cpu_s() - local_cpu:.2f} (model load and warm-up included) in {local[2]:.2f} s")
+            if args.pin:
+                os.sched_setaffinity(0, {1})  # the client
+            runs = {"local": local, "server": run_server(*ports["stream"], jobs, args.concurrency),
+                    "stream": run_server(*ports["stream"], jobs, args.concurrency, stream=True),
+                    every: run_server(*ports[every], jobs, args.concurrency, stream=True)}
+            for name, run in runs.items():
+                rates[name].append(summary(name, *run))
+    for label, name in (("server", "server"), ("stream", "stream"),
+                        (f"stream (--stream-interval {args.stream_interval})", every)):
+        ratios = [a / b for a, b in zip(rates[name], rates["local"])]
+        print(f"ratio {label}/local tokens/s = {statistics.median(ratios):.2f} (median of {len(ratios)} rounds: "
+              f"{' '.join(f'{x:.2f}' for x in ratios)})")
 
-    local_cpu = cpu_s()
-    local = run_local(path, jobs, args.threads, args.concurrency, args.max_batch)
-    print(f"local: CPU seconds {cpu_s() - local_cpu:.2f} (model load and warm-up included) in {local[2]:.2f} s")
-    if args.pin:
-        os.sched_setaffinity(0, {1})  # the client from here on
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve.log", cpus=server_cpus)
-        try:
-            served = run_server(port, jobs, args.concurrency, pid=proc.pid)
-            streamed = run_server(port, jobs, args.concurrency, stream=True, pid=proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-        proc, port = start_server(path, args.threads, args.max_batch, Path(tmp) / "serve-interval.log",
-                                  args.stream_interval, cpus=server_cpus)
-        try:
-            coarse = run_server(port, jobs, args.concurrency, stream=True, pid=proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    local_rate = summary("local", *local)
-    served_rate = summary("server", *served)
-    streamed_rate = summary("stream", *streamed)
-    coarse_rate = summary(f"stream{args.stream_interval}", *coarse)
-    print(f"ratio server/local tokens/s = {served_rate / local_rate:.2f}")
-    print(f"ratio stream/local tokens/s = {streamed_rate / local_rate:.2f}")
-    print(f"ratio stream (--stream-interval {args.stream_interval})/local tokens/s = {coarse_rate / local_rate:.2f}")
 
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
 
 if __name__ == "__main__":
     main()

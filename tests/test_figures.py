@@ -176,18 +176,18 @@ ratio engine/generate = 2.26
     assert figures.engine_throughput(out) == "3244 vs 1435 tokens/s, **ratio 2.26** (medians of 3)"
 
 
-def test_serve_parser_reads_the_server_and_the_streamed_rows():
-    out = """streamed: first content after 0.11 s (median) of 2.71 s per request
-local     192 req   13499 tok    4.75 s     2839 tok/s   40.4 req/s   latency p50   1.33 s  p99   2.78 s
-server    192 req   13499 tok    6.51 s     2073 tok/s   29.5 req/s   latency p50   1.79 s  p99   4.16 s
-stream    192 req   13499 tok    9.16 s     1473 tok/s   21.0 req/s   latency p50   2.71 s  p99   5.02 s
-ratio server/local tokens/s = 0.73
-ratio stream/local tokens/s = 0.52
-ratio stream (--stream-interval 1)/local tokens/s = 0.47
-"""
+def test_serve_parser_reads_the_median_ratios_and_their_rounds():
+    row = "{:8s}  192 req   13499 tok    4.75 s     {} tok/s   40.4 req/s   latency p50   1.33 s  p99   2.78 s"
+    out = "\n".join([
+        "round 1:", "streamed: first content after 0.11 s (median) of 2.71 s per request", row.format("local", 2839),
+        row.format("server", 2073), "round 2:", "streamed: first content after 0.09 s (median) of 2.5 s per request",
+        row.format("local", 3001),
+        "ratio server/local tokens/s = 0.73 (median of 2 rounds: 0.71 0.75)",
+        "ratio stream/local tokens/s = 0.52 (median of 2 rounds: 0.50 0.54)",
+        "ratio stream (--stream-interval 1)/local tokens/s = 0.47 (median of 2 rounds: 0.47 0.47)"])
     assert figures.serve_throughput(out) == (
-        "2073 vs 2839 tokens/s (**ratio 0.73**), p50 1.79 s vs 1.33 s; streamed 1473 tokens/s (**ratio 0.52**; 0.47 "
-        "at a chunk every token), first content after 0.11 s (median)")
+        "**ratio 0.73** (0.71 / 0.75); streamed **0.52** (0.50 / 0.54), 0.47 at a chunk every token (0.47 / 0.47); "
+        "in-process 2839 / 3001 tokens/s; first content after 0.09 s (median)")
 
 
 def test_time_to_target_parser_counts_each_seed_once():
