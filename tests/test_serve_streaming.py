@@ -16,7 +16,7 @@ import time
 import pytest
 
 from test_serve import ASK, TOOLS, client, serving, streamed_calls
-from tether.engine.base import GenerationResult, SamplingParams, TokenDelta
+from tether.engine.base import GenerationResult, SamplingParams, TokenDelta, stream_generation
 from tether.engine.local import LocalEngine
 from tether.engine.scripted import ScriptedEngine
 from tether.learner.model import load_model_and_tokenizer
@@ -60,6 +60,27 @@ def test_the_engine_tells_each_steps_tokens_and_ends_with_generates_result(loade
     assert [t for d in deltas for t in d.token_ids] == result.token_ids == whole.token_ids
     assert [lp for d in deltas for lp in d.logprobs] == result.logprobs == whole.logprobs
     assert isinstance(first, TokenDelta) and 1 <= len(first.token_ids) < 400
+
+
+def test_a_paced_stream_wakes_its_caller_every_k_tokens_with_the_same_tokens(loaded):
+    """``every``: the engine wakes the caller at the first token, then once ``every()`` tokens are new, then at the
+    end; the tokens and logprobs are generate's."""
+    model, _ = loaded
+    params = SamplingParams(temperature=1.0, max_tokens=60, seed=5)
+
+    async def main(engine):
+        whole = await engine.generate([5, 6, 7, 8], params)
+        items = [item async for item in stream_generation(engine, [5, 6, 7, 8], params, every=lambda: 4)]
+        return whole, items
+
+    with LocalEngine(copy.deepcopy(model)) as engine:
+        whole, items = asyncio.run(main(engine))
+    deltas, result = items[:-1], items[-1]
+    # woken at token 1 (its step's decode may add token 2 before the wake), then at tokens 5, 9, ..., 57, and at the
+    # end: at most 16 deltas where an unpaced stream has one a step (59 on an idle host)
+    assert 2 <= len(deltas) <= 16, [len(d.token_ids) for d in deltas]
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids == whole.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == whole.logprobs
 
 
 def test_text_arrives_while_the_choice_is_being_generated(server):
@@ -183,6 +204,32 @@ def test_the_pace_of_a_stream_follows_how_many_choices_stream(interval, streamin
     assert Pace(interval, streaming=streaming).tokens() == expected
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         Pace(0)
+
+
+@pytest.mark.parametrize("stops", [[], ["Friday"]])
+def test_the_engine_is_paced_unless_stop_strings_are_watched(loaded, monkeypatch, stops):
+    """A stop string's match must end the engine request at once, so a choice that watches some is woken every step."""
+    from tether.serve import streaming
+    from tether.serve.generation import Generator
+
+    _, tokenizer = loaded
+    seen = []
+
+    def fake(engine, prompt, params, group=None, every=None):
+        seen.append(every)
+        return stream_generation(engine, prompt, params)
+
+    monkeypatch.setattr(streaming, "stream_generation", fake)
+    pace = Pace(None, streaming=63)
+    gen = Generator(TricklingEngine(tokenizer, ["Shipped, arrives Friday."]), tokenizer)
+    stream = streaming.ChoiceStream(gen, SamplingParams(max_tokens=20), stops, False, False, pace=pace)
+
+    async def main():
+        return [item async for item in streaming.choice_deltas(stream, [5, 6], None)]
+
+    asyncio.run(main())
+    assert seen == ([None] if stops else [pace.tokens]) and pace.streaming == 63  # (this choice counted while it ran)
+    assert pace.tokens() == 4  # 63 others streaming
 
 
 def test_auto_pacing_tells_one_stream_every_token_and_many_streams_fewer_chunks(loaded):

@@ -25,7 +25,8 @@ parameters, so that the learner's recomputation matches at equal weights.)
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import inspect
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -132,15 +133,19 @@ class TokenDelta:
     versions: list[int]
 
 
-def stream_generation(engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
-                      group: Any = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+def stream_generation(engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams, group: Any = None,
+                      every: Callable[[], int] | None = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
     """A generation as it grows: ``TokenDelta``s, then the finished ``GenerationResult``. Engines with a ``stream``
     method (``LocalEngine``) tell each decode step's tokens as the step ends; the others tell them all at the end.
-    Closing the iterator early aborts the generation. ``group``: ``LocalEngine``'s fair-admission group."""
+    Closing the iterator early aborts the generation. ``group``: ``LocalEngine``'s fair-admission group; ``every``:
+    its pace (tokens between deltas after the first, asked after each step; None = every step's); each is passed
+    only to an engine whose ``stream`` takes it."""
     stream = getattr(engine, "stream", None)
     if stream is None:
         return _whole(engine, prompt_ids, params)
-    return stream(prompt_ids, params, group=group) if group is not None else stream(prompt_ids, params)
+    takes = inspect.signature(stream).parameters
+    kw = {k: v for k, v in (("group", group), ("every", every)) if v is not None and k in takes}
+    return stream(prompt_ids, params, **kw)
 
 
 async def _whole(engine: InferenceEngine, prompt_ids: list[int],

@@ -61,7 +61,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,8 @@ class _Request:
     matcher: ConstraintMatcher | None = None  # its grammar's state (params.constraint), advanced with each token
     group: Any = None  # fair admission's group (tether.engine.fair_share); None: the request alone
     streamed: bool = False  # ``stream``: the caller is woken after each step that added tokens, and at the end
+    every: Callable[[], int] | None = None  # (streamed) tokens between wakes after the first (the caller's pace)
+    told: int = 0  # (streamed) tokens when the caller was last woken for tokens
     waiter: asyncio.Future | None = None  # (streamed) what the caller awaits until then
 
     def __post_init__(self) -> None:
@@ -258,12 +260,15 @@ class LocalEngine:
             req.cancelled = True
             raise
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     group: Any = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, *, group: Any = None,
+                     every: Callable[[], int] | None = None) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         """``generate``, told as it goes: the tokens of each step as a ``TokenDelta`` as soon as the step that made
         them ends, then the finished ``GenerationResult`` (the same as ``generate``'s). Closing the iterator early
-        aborts the request at the next step, as cancelling ``generate`` does."""
-        req = self._submit(prompt_ids, params, group=group, streamed=True)
+        aborts the request at the next step, as cancelling ``generate`` does. ``every``: the caller wants its tokens
+        only once ``every()`` of them are new (asked by the engine's thread after each step), the first at once and
+        the last when the request ends: fewer wake-ups of the caller's event loop, whose work for them competes with
+        the engine's for the interpreter."""
+        req = self._submit(prompt_ids, params, group=group, streamed=True, every=every)
         if isinstance(req, GenerationResult):
             yield req
             return
@@ -288,8 +293,8 @@ class LocalEngine:
                 req.cancelled = True
                 req.future.cancel()
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, group: Any = None, streamed: bool = False
-                ) -> _Request | GenerationResult:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, group: Any = None, streamed: bool = False,
+                every: Callable[[], int] | None = None) -> _Request | GenerationResult:
         """Queue a request (or return the empty result of one that has no room for a token)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -304,7 +309,7 @@ class LocalEngine:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
                        truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
-                       group=group, streamed=streamed,
+                       group=group, streamed=streamed, every=every,
                        matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
         with self._cv:
             if self._closed:
@@ -566,7 +571,8 @@ class LocalEngine:
                 r.counts[tok] += 1
             if r.matcher is not None:
                 r.matcher.accept(tok)
-            if r.streamed:
+            if r.streamed and (r.every is None or not r.told or len(r.tokens) - r.told >= r.every()):
+                r.told = len(r.tokens)
                 self._grown.append(r)
             if tok in r.params.stop_token_ids or (r.matcher is not None and r.matcher.terminated):
                 r.finish = "stop"

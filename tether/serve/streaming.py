@@ -240,7 +240,9 @@ async def choice_deltas(stream: ChoiceStream, prompt: list[int], view: Any
     server to send and the client to parse, at the cost of smoothness)."""
     pace = stream.pace
     result: GenerationResult | None = None
-    tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group if stream.gen.grouped else None)
+    # The engine wakes this loop at the pace too, except while stop strings are watched (a match ends the request)
+    every = None if stream.strings else pace.tokens
+    tokens = stream_generation(stream.gen.engine, prompt, stream.params, stream.group, every)
     pending: list[tuple[dict[str, Any], range]] = []
     held, sent = 0, False  # tokens since the last delta sent; whether one was
     pace.streaming += 1
