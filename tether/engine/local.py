@@ -62,114 +62,19 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tether.engine.base import ConstraintMatcher, FinishReason, GenerationResult, SamplingParams, TokenDelta
+from tether.engine.base import FinishReason, GenerationResult, SamplingParams, TokenDelta
 from tether.engine.fair_share import NO_CAP, large_groups, next_index, over_cap, victims
 from tether.engine.forward import HFRunner, LlamaFamilyRunner, fast_path_problem
 from tether.engine.lora import AdapterMerge
 from tether.engine.prefix_cache import SlotTable
+from tether.engine.request import Request, WeightUpdate, send, wake_all
 from tether.engine.sampling import sample, shape_logits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int  # max_tokens, clipped to the model's context
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    num_preempted: int = 0
-    finish: FinishReason | None = None
-    cancelled: bool = False  # set by the caller's task when it is cancelled
-    uniforms: list[float] = field(default_factory=list)  # drawn from ``generator`` ahead, used front to back
-    truncates: bool = False  # top_k or min_p on
-    shapes: bool = False  # a logit-shaping parameter on (SamplingParams.shapes_logits)
-    seen: torch.Tensor | None = None  # [V] bool, prompt and output tokens (repetition_penalty), from the first token
-    counts: torch.Tensor | None = None  # [V] float32, times each token was generated (presence/frequency penalties)
-    matcher: ConstraintMatcher | None = None  # its grammar's state (params.constraint), advanced with each token
-    group: Any = None  # fair admission's group (tether.engine.fair_share); None: the request alone
-    streamed: bool = False  # ``stream``: the caller is woken after each step that added tokens, and at the end
-    every: Callable[[], int] | None = None  # (streamed) tokens between wakes after the first (the caller's pace)
-    told: int = 0  # (streamed) tokens when the caller was last woken for tokens
-    waiter: asyncio.Future | None = None  # (streamed) what the caller awaits until then
-
-    def __post_init__(self) -> None:
-        if self.group is None:
-            self.group = self
-
-    @property
-    def context(self) -> list[int]:
-        """The tokens before the next one: the prompt, and the tokens of a request interrupted by fair admission."""
-        return self.prompt + self.tokens if self.tokens else self.prompt
-
-    def uniform(self) -> float:
-        """The next uniform of the request's own generator: drawn in blocks (``torch.rand(k)`` is the same stream as k
-        draws of one), as many as it may still sample tokens, at most 64 at a time."""
-        if not self.uniforms:
-            assert self.generator is not None
-            block = max(1, min(64, self.max_new - len(self.tokens)))
-            self.uniforms = torch.rand(block, generator=self.generator).tolist()[::-1]
-        return self.uniforms.pop()
-
-
-@dataclass(eq=False)
-class _Update:
-    state_dict: dict[str, Any]
-    version: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
-
-
-def _resolve(future: asyncio.Future, result: Any) -> None:
-    if future.done():  # cancelled by the caller
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
-
-
-def _woken(req: _Request) -> None:
-    if req.waiter is not None and not req.waiter.done():
-        req.waiter.set_result(None)
-
-
-def _woken_all(reqs: list[_Request]) -> None:
-    for req in reqs:
-        _woken(req)
-
-
-def _wake_all(reqs: list[_Request]) -> None:
-    """Tell streamed requests' callers that they have new tokens or have ended, with one call into each caller's event
-    loop (from the worker thread)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
-    for req in reqs:
-        by_loop.setdefault(req.loop, []).append(req)
-    for loop, some in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_woken_all, some)
-        except RuntimeError:  # the caller's event loop is closed
-            pass
-
-
-def _send(req: _Request, result: Any) -> None:
-    """Deliver a result or exception to the request's event loop (from the worker thread)."""
-    try:
-        req.loop.call_soon_threadsafe(_resolve, req.future, result)
-    except RuntimeError:  # the caller's event loop is closed; nobody is waiting
-        return
-    if req.streamed:
-        _wake_all([req])
 
 
 class LocalEngine:
@@ -232,13 +137,13 @@ class LocalEngine:
         self._stale = False  # weights changed since the running requests' caches were computed
         self._generator = torch.Generator().manual_seed(seed)
         self._cv = threading.Condition()  # guards _waiting, _updates, _closed
-        self._waiting: deque[_Request] = deque()
-        self._updates: list[_Update] = []
+        self._waiting: deque[Request] = deque()
+        self._updates: list[WeightUpdate] = []
         self._closed = False
-        self._queue: deque[_Request] = deque()  # worker-side queue, admitted in order
+        self._queue: deque[Request] = deque()  # worker-side queue, admitted in order
         self._threads_changed = False  # set_num_threads: the worker applies it before its next step
-        self._admitting: list[_Request] = []  # the requests the current step took from the queue
-        self._grown: list[_Request] = []  # streamed requests given tokens in the current step (woken after it)
+        self._admitting: list[Request] = []  # the requests the current step took from the queue
+        self._grown: list[Request] = []  # streamed requests given tokens in the current step (woken after it)
         self._thread = threading.Thread(target=self._loop, name="tether-local-engine", daemon=True)
         self._thread.start()
 
@@ -294,7 +199,7 @@ class LocalEngine:
                 req.future.cancel()
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, group: Any = None, streamed: bool = False,
-                every: Callable[[], int] | None = None) -> _Request | GenerationResult:
+                every: Callable[[], int] | None = None) -> Request | GenerationResult:
         """Queue a request (or return the empty result of one that has no room for a token)."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -307,7 +212,7 @@ class LocalEngine:
             return GenerationResult([], [], "length", [], 0)
         loop = asyncio.get_running_loop()
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        req = _Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
+        req = Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
                        truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
                        group=group, streamed=streamed, every=every,
                        matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
@@ -338,7 +243,7 @@ class LocalEngine:
         self._load(self._adapters.base(), version)
 
     def _load(self, state_dict: dict[str, Any], version: int) -> None:
-        update = _Update(state_dict, version)
+        update = WeightUpdate(state_dict, version)
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -400,7 +305,7 @@ class LocalEngine:
                     t0 = time.perf_counter()
                     self._step()
                     if self._grown:  # streamed requests that got tokens this step
-                        _wake_all(self._grown)
+                        wake_all(self._grown)
                         self._grown = []
                     # compute time (perf/engine_busy_s); typeshed's Counter holds ints, a Counter holds any number
                     self.stats["busy_s"] += time.perf_counter() - t0  # type: ignore[assignment]
@@ -408,7 +313,7 @@ class LocalEngine:
                     log.exception("LocalEngine step failed")
                     running = self._slots.running
                     for req in [*running, *(r for r in self._admitting if r not in running)]:
-                        _send(req, exc)  # (a request taken from the queue but not yet placed is failed too)
+                        send(req, exc)  # (a request taken from the queue but not yet placed is failed too)
                     self._slots.clear()
         with self._cv:
             leftover = [*self._slots.running, *self._queue, *self._waiting]
@@ -425,7 +330,7 @@ class LocalEngine:
             return True
         return self.partial_rollout and self._segment_steps >= self.segment_length
 
-    def _apply(self, update: _Update) -> None:
+    def _apply(self, update: WeightUpdate) -> None:
         try:
             unknown = sorted(set(update.state_dict) - set(self.model.state_dict()))
             if unknown:
@@ -448,7 +353,7 @@ class LocalEngine:
             slots.drop_prefixes(running_too=not self.recompute_on_update)
             if slots.running and self.recompute_on_update:
                 self._refill()
-        new: list[_Request] = []  # taken from the queue this step (failed with it if it fails)
+        new: list[Request] = []  # taken from the queue this step (failed with it if it fails)
         self._admitting = new
         starts: list[int] = []
         widest = 0
@@ -507,7 +412,7 @@ class LocalEngine:
                 self._emit(running[a:b], logits, version)
             self._retire()
 
-    def _interrupt(self, reqs: list[_Request], stat: str = "fair_interruptions") -> None:
+    def _interrupt(self, reqs: list[Request], stat: str = "fair_interruptions") -> None:
         """Fair admission's interruption: park ``reqs``' caches and queue them first again, their tokens kept;
         counted in ``stats[stat]``."""
         if not reqs:
@@ -542,7 +447,7 @@ class LocalEngine:
             req.num_preempted += 1
         self.stats["preemptions"] += len(running)
 
-    def _emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:
+    def _emit(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
         """Sample one token for each of ``reqs`` from ``logits`` [len(reqs), V] and record it."""
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in reqs], device=device)
@@ -571,8 +476,7 @@ class LocalEngine:
                 r.counts[tok] += 1
             if r.matcher is not None:
                 r.matcher.accept(tok)
-            if r.streamed and (r.every is None or not r.told or len(r.tokens) - r.told >= r.every()):
-                r.told = len(r.tokens)
+            if r.streamed and r.tell():
                 self._grown.append(r)
             if tok in r.params.stop_token_ids or (r.matcher is not None and r.matcher.terminated):
                 r.finish = "stop"
@@ -580,7 +484,7 @@ class LocalEngine:
                 r.finish = "length"
 
     @staticmethod
-    def _shaped(reqs: list[_Request], logits: torch.Tensor, where: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shaped(reqs: list[Request], logits: torch.Tensor, where: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``where`` [S] of ``logits`` and their shaped logits [S, V] (``sample``'s ``shaped``) for ``reqs``,
         the requests of those rows, whose penalty state is created at their first token."""
         dev, vocab = logits.device, logits.shape[1]
@@ -625,5 +529,5 @@ class LocalEngine:
                 self._finish(r, r.finish or "abort")
         self._slots.retire(done, park=[r.finish is not None for r in running])
 
-    def _finish(self, req: _Request, reason: FinishReason) -> None:
-        _send(req, GenerationResult(req.tokens, req.logprobs, reason, req.versions, req.num_preempted))
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        send(req, GenerationResult(req.tokens, req.logprobs, reason, req.versions, req.num_preempted))
