@@ -25,6 +25,7 @@ parameters, so that the learner's recomputation matches at equal weights.)
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -143,9 +144,19 @@ def stream_generation(engine: InferenceEngine, prompt_ids: list[int], params: Sa
     stream = getattr(engine, "stream", None)
     if stream is None:
         return _whole(engine, prompt_ids, params)
-    takes = inspect.signature(stream).parameters
-    kw = {k: v for k, v in (("group", group), ("every", every)) if v is not None and k in takes}
+    kw = {k: v for k, v in (("group", group), ("every", every)) if v is not None and takes(stream, k)}
     return stream(prompt_ids, params, **kw)
+
+
+def takes(method: Callable[..., Any], name: str) -> bool:
+    """Whether ``method`` (an engine's ``generate`` or ``stream``) has a parameter ``name``: optional arguments only
+    some engines accept (``group``, ``every``) are passed by this. Read once per function, not per call."""
+    return name in _parameters(getattr(method, "__func__", method))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 async def _whole(engine: InferenceEngine, prompt_ids: list[int],

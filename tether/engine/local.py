@@ -213,9 +213,9 @@ class LocalEngine:
         loop = asyncio.get_running_loop()
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = Request(list(prompt_ids), params, max_new, loop, loop.create_future(), gen,
-                       truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
-                       group=group, streamed=streamed, every=every,
-                       matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
+                      truncates=bool(params.top_k or params.min_p), shapes=params.shapes_logits,
+                      group=group, streamed=streamed, every=every,
+                      matcher=None if params.constraint is None else params.constraint.matcher(params.stop_token_ids))
         with self._cv:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")

@@ -22,7 +22,6 @@ arrived during the generation, in which case they are the new weights'.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import threading
 from collections.abc import Coroutine
@@ -34,7 +33,7 @@ from tokenizers.decoders import DecodeStream
 
 from tether.agent.chat import render_ids
 from tether.agent.parsers import get_parser
-from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams
+from tether.engine.base import GenerationResult, InferenceEngine, SamplingParams, takes
 from tether.serve.protocol import SEED_MAX
 
 
@@ -99,7 +98,7 @@ class Generator:
                  extra_stop_ids: tuple[int, ...] = ()):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.parse, self.parser = get_parser(parser), parser
-        self.grouped = "group" in inspect.signature(engine.generate).parameters  # fair admission (LocalEngine)
+        self.grouped = takes(engine.generate, "group")  # fair admission (LocalEngine)
         config = getattr(model, "config", None)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(tokenizer)
