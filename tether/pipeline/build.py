@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tether import heap
 from tether.config import RunConfig
 from tether.config.cluster import trainer_ranks
 from tether.config.plan import Plan
@@ -231,6 +232,7 @@ class Run:
             for close in reversed(closers):
                 close()
             raise
+        closers.append(heap.freeze())  # what the run built stays out of the collector's full passes until it closes
         run = cls(cfg, plan, run_dir, rt, trainer, sampler, allocator, weights, source, evaluator, recorder, progress,
                   monitors, start, closers, engine_threads)
         progress.note(f"{learner.describe()}; {plan.prompts_per_step} tasks × "

@@ -16,6 +16,7 @@ import jinja2
 import uvicorn
 from fastapi import FastAPI
 
+from tether import heap
 from tether.config import RunConfig
 from tether.config.plan import Plan
 from tether.learner.model import load_model_and_tokenizer
@@ -138,6 +139,7 @@ def serve(checkpoint: str | Path, cfg: RunConfig, *, host: str = "127.0.0.1", po
         log(f"serving model {name!r} ({checkpoint}, weight version {engine.version}) on "
             f"http://{shown}:{actual}/v1{auth}")
         server = uvicorn.Server(uvicorn_config(app, log_level="info", grace_s=5))
+        heap.freeze(collect=True)  # the model, tokenizer and app out of the collector's full passes (tether.heap)
         server.run(sockets=[sock])
     finally:
         engine.close()
