@@ -227,13 +227,16 @@ def last_line(prefix: str) -> Callable[[str], str]:
 
 
 def serve_load(out: str) -> str:
-    idle = find(r"^idle +\d+ requests .*p99 +([\d.]+) ms", out, "idle line")
-    loaded = find(r"^loaded +\d+ requests .*p99 +([\d.]+) ms", out, "loaded line")
-    ratio = find(r"^p99 loaded/idle = ([\d.]+)", out, "ratio line")
+    idle = re.findall(r"^idle +\d+ requests .*p99 +([\d.]+) ms", out, re.MULTILINE)
+    loaded = re.findall(r"^loaded +\d+ requests .*p99 +([\d.]+) ms", out, re.MULTILINE)
+    ratio = find(r"^p99 loaded/idle = ([\d.]+) \(median of \d+ rounds: ([\d. ]+)\)", out, "ratio line")
     rss = find(r"^server RSS: start (\d+) MB, peak (\d+) MB, end (\d+) MB \(end/start = ([\d.]+)", out, "RSS line")
-    return (f"small requests' p99 {loaded.group(1)} ms loaded vs {idle.group(1)} ms idle (**ratio {ratio.group(1)}**, "
-            f"goal <= 2); server RSS {rss.group(1)} -> peak {rss.group(2)} -> end {rss.group(3)} MB "
-            f"(**end/start {rss.group(4)}**, goal <= 1.10)")
+    if not idle or len(idle) != len(loaded):
+        raise ValueError("no idle / loaded p99 lines of each round in the output")
+    return (f"small requests' p99 {' / '.join(loaded)} ms loaded vs {' / '.join(idle)} ms idle (**ratio "
+            f"{ratio.group(1)}**, median of the rounds' {' / '.join(ratio.group(2).split())}; goal <= 2); server "
+            f"RSS {rss.group(1)} -> peak {rss.group(2)} -> end {rss.group(3)} MB (**end/start {rss.group(4)}**, goal "
+            f"<= 1.10)")
 
 
 def tau2_replays(out: str) -> str:
@@ -323,8 +326,12 @@ REGISTRY: list[Figure] = [
     Figure("serve", "`tether serve` vs the engine in-process, 192 chat requests, 64 in flight, 1 thread; "
            "the same requests streamed (`--stream-interval auto`, and 1); medians of 3 alternated rounds",
            "python benchmarks/serve_throughput.py", serve_throughput, 2),
+    Figure("serve-pinned", "the same with the client on a core of its own (`--pin`: the server, or the in-process "
+           "engine, on core 0 with one thread; the openai client on core 1), as when clients run on other machines",
+           "python benchmarks/serve_throughput.py --pin", serve_throughput, 2),
     Figure("serve-load", "`tether serve` under abuse: 200 small chat requests idle, then again while 32 clients "
-           "abandon heavy requests (n=32, 3 attempts each) and 4 send 20 MB bodies; the server's RSS",
+           "abandon heavy requests (n=32, 3 attempts each) and 4 send 20 MB bodies, 3 rounds on one server; the "
+           "server's RSS",
            "python benchmarks/serve_load.py", serve_load, 2),
     Figure("serve-logprobs", "server behaviour logprobs vs a teacher-forced forward pass (`/v1/completions`, "
            "token ids)", "pytest -s tests/test_remote_engine.py -k teacher_forced", printed_max_diff, 0.5),

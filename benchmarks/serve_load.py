@@ -17,12 +17,15 @@ requests' clients counted as the server's.
    - ``--big-senders`` clients each send ``--big-repeats`` chat requests whose body is ``--big-mb`` MB of text, at
      random moments of the phase (over the default ``--max-request-bytes`` of the tiny model, 4 MiB: refused with 413
      from the Content-Length, the body read and dropped unparsed so that the client gets the answer).
-3. end: the server's RSS once the load has stopped (waits up to 10 s for it to settle).
+3. ``--rounds`` (3) rounds of phases 1 and 2 on the one server, each round's p99 ratio against its own idle phase
+   (this machine's speed drifts between runs a minute apart; single runs of this script gave ratios of 1.27-2.04);
+4. end: the server's RSS once the last round's load has stopped (waits up to 10 s for it to settle).
 
-Prints idle and loaded p50/p99 latency and their p99 ratio (goal <= 2), the same for the small requests that
-overlapped no heavy request its client still wanted, the server's RSS at start, peak and end (goal: end within 10 % of
-start), the abandoned requests the server counted (``serve/aborted`` in ``/health``: those it had begun; a client that
-gives up before the server read its request costs nothing to abort).
+Prints, per round, idle and loaded p50/p99 latency and their p99 ratio, the same for the small requests that
+overlapped no heavy request its client still wanted; then the median of the rounds' p99 ratios (goal <= 2), the
+server's RSS at start, peak (over every round) and end (goal: end within 10 % of start), the abandoned requests the
+server counted (``serve/aborted`` in ``/health``: those it had begun; a client that gives up before the server read
+its request costs nothing to abort).
 
 Measured on 2 shared CPU cores (the driver, its abusive clients, the server's event loop and the engine on the same
 two). Before fair admission (first come, first served): idle p99 ~110 ms, loaded p99 1.7-3 s (ratio 15-20): a heavy
@@ -50,6 +53,7 @@ cap's runs give 5.9 and 9.6 (10-20 without it): the driver's own stalls, which t
 Usage:
 
     python benchmarks/serve_load.py [--threads 2] [--small 200] [--abandoners 32] [--big-senders 4] [--latency-rows N]
+                                    [--rounds 3]
 """
 
 from __future__ import annotations
@@ -254,6 +258,8 @@ def main() -> None:
     ap.add_argument("--same-process", action="store_true",
                     help="the abusive clients in this process's event loop, beside the small requests' clients")
     ap.add_argument("--pin", action="store_true", help="the server on core 0 (one thread), this driver on core 1")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of an idle then a loaded phase on the one server; the p99 ratio is their median")
     args = ap.parse_args()
     server_cpus = None
     if args.pin:
@@ -276,18 +282,8 @@ def main() -> None:
 
             asyncio.run(warm())
             start = rss_mb(proc.pid)
-
-            async def idle_phase() -> list[float]:
-                async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
-                    return await small_requests(client, args.small, args.concurrency)
-
-            t0 = time.perf_counter()
-            idle = asyncio.run(idle_phase())
-            idle_s = time.perf_counter() - t0
             watch = RSSWatch(proc.pid)
-            t0 = time.perf_counter()
-            loaded, clear, abandoned, bigs = asyncio.run(loaded_phase(url, args, span_s=idle_s))
-            loaded_s = time.perf_counter() - t0
+            ratios = [one_round(r, url, args) for r in range(args.rounds)]
             peak = watch.stop()
             settle = time.monotonic() + 10
             end = rss_mb(proc.pid)
@@ -298,7 +294,26 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    print(f"p99 loaded/idle = {statistics.median(ratios):.2f} (median of {len(ratios)} rounds: "
+          f"{' '.join(f'{x:.2f}' for x in ratios)}) (goal <= 2); serve/aborted = {health['serve/aborted']}")
+    print(f"server RSS: start {start:.0f} MB, peak {peak:.0f} MB, end {end:.0f} MB "
+          f"(end/start = {end / start:.2f}, goal <= 1.10)")
+
+
+def one_round(r: int, url: str, args: argparse.Namespace) -> float:
+    """An idle phase, then the loaded phase as long as the idle one took; prints both; returns their p99 ratio."""
+    async def idle_phase() -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+            return await small_requests(client, args.small, args.concurrency)
+
+    t0 = time.perf_counter()
+    idle = asyncio.run(idle_phase())
+    idle_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded, clear, abandoned, bigs = asyncio.run(loaded_phase(url, args, span_s=idle_s))
+    loaded_s = time.perf_counter() - t0
     (i50, i99), (l50, l99) = quantiles(idle), quantiles(loaded)
+    print(f"round {r + 1}:")
     print(f"idle    {len(idle)} requests in {idle_s:5.1f} s: p50 {i50 * 1000:7.1f} ms  p99 {i99 * 1000:7.1f} ms")
     print(f"loaded  {len(loaded)} requests in {loaded_s:5.1f} s: p50 {l50 * 1000:7.1f} ms  p99 {l99 * 1000:7.1f} ms   "
           f"(heavy requests abandoned {abandoned['abandoned']} after at most {abandoned['longest_s']:.2f} s, finished "
@@ -308,10 +323,8 @@ def main() -> None:
         c50, c99 = quantiles(clear)
         print(f"  of which {len(clear)} overlapped no heavy request its client still wanted: p50 {c50 * 1000:6.1f} ms"
               f"  p99 {c99 * 1000:7.1f} ms (p99 / idle p99 = {c99 / i99:.2f})")
-    print(f"p99 loaded/idle = {l99 / i99:.2f} (goal <= 2); serve/aborted = {health['serve/aborted']}")
-    print(f"server RSS: start {start:.0f} MB, peak {peak:.0f} MB, end {end:.0f} MB "
-          f"(end/start = {end / start:.2f}, goal <= 1.10)")
-
+    print(f"round {r + 1}: p99 loaded/idle = {l99 / i99:.2f}", flush=True)
+    return l99 / i99
 
 if __name__ == "__main__":
     main()

@@ -214,11 +214,19 @@ def test_time_to_target_parser_gives_every_target():
 
 
 def test_serve_load_parser_reads_the_ratio_and_the_rss():
-    out = """idle    200 requests in   4.1 s: p50    60.2 ms  p99   110.5 ms
+    out = """round 1:
+idle    200 requests in   4.1 s: p50    60.2 ms  p99   110.5 ms
 loaded  200 requests in   7.5 s: p50    80.0 ms  p99   170.3 ms   (heavy requests abandoned 96 after at most 2.10 s)
-p99 loaded/idle = 1.54 (goal <= 2); serve/aborted = 90
+round 1: p99 loaded/idle = 1.54
+round 2:
+idle    200 requests in   4.0 s: p50    58.0 ms  p99   100.0 ms
+loaded  200 requests in   7.1 s: p50    79.0 ms  p99   210.0 ms   (heavy requests abandoned 96 after at most 2.20 s)
+round 2: p99 loaded/idle = 2.10
+p99 loaded/idle = 1.82 (median of 2 rounds: 1.54 2.10) (goal <= 2); serve/aborted = 90
 server RSS: start 600 MB, peak 900 MB, end 640 MB (end/start = 1.07, goal <= 1.10)
 """
     assert figures.serve_load(out) == (
-        "small requests' p99 170.3 ms loaded vs 110.5 ms idle (**ratio 1.54**, goal <= 2); server RSS 600 -> peak "
-        "900 -> end 640 MB (**end/start 1.07**, goal <= 1.10)")
+        "small requests' p99 170.3 / 210.0 ms loaded vs 110.5 / 100.0 ms idle (**ratio 1.82**, median of the rounds' "
+        "1.54 / 2.10; goal <= 2); server RSS 600 -> peak 900 -> end 640 MB (**end/start 1.07**, goal <= 1.10)")
+    with pytest.raises(ValueError, match="ratio line"):
+        figures.serve_load(out.replace(" (median of 2 rounds: 1.54 2.10)", ""))
