@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tether import heap
 from tether.config import RunConfig
 from tether.distributed.envvars import apply_env
 from tether.distributed.remote import RayParts
@@ -103,6 +104,7 @@ class RolloutWorker:
         self._update_lock = asyncio.Lock()
         self.weights_group: WeightGroup | None = None  # ray.weight_transfer nccl: the broadcast group with the trainer
         self.loads: Counter[str] = Counter()  # weight loads by path: object_store, broadcast
+        self._unfreeze = heap.freeze()  # the actor's engine, environments and tokenizer (tether.heap), as in Run.build
 
     async def group(self, token: int, task: Task, size: int, seed: int) -> tuple[str, Any, list[Event]]:
         """("ok", Group, events), ("failed", (message, cause), events) or ("behind", token held, [])."""
@@ -193,6 +195,7 @@ class RolloutWorker:
         if self.teacher is not None:
             self.teacher.close()
         self.rt.close()
+        self._unfreeze()
 
 
 class TrainerWorker:
