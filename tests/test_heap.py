@@ -71,7 +71,6 @@ def test_freezes_nest_and_each_undo_counts_once():
 
 def test_a_run_freezes_what_it_built_until_it_closes(tiny_model, tmp_path):
     from conftest import SMALL_RUN
-
     from tether.config import load_config
     from tether.pipeline.build import Run
 

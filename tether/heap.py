@@ -4,7 +4,8 @@ CPython's collection of its oldest generation walks every tracked object in the 
 tokenizer, the environments and the engine built, one such pass took 170-320 ms on a 2-core host (measured with
 ``gc.callbacks`` in ``tether serve`` under ``benchmarks/serve_load.py`` and in a demo training run), and it holds the
 GIL all that time: the engine thread, the event loop and the learner stop together. Under load the server's small
-requests saw it as a 350 ms stall in every other round; a training run paid two of them in 16 s of steps.
+requests saw it as a 350 ms stall in every other round; an 8-step demo run (~20 s of steps) paid two, of 228 and
+321 ms.
 
 ``gc.freeze()`` moves every object alive at that moment into a permanent generation that collections skip; objects
 made later are collected as before, and a frozen object whose last reference goes is still freed at once (reference
