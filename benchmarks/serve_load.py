@@ -326,5 +326,6 @@ def one_round(r: int, url: str, args: argparse.Namespace) -> float:
     print(f"round {r + 1}: p99 loaded/idle = {l99 / i99:.2f}", flush=True)
     return l99 / i99
 
+
 if __name__ == "__main__":
     main()
