@@ -229,3 +229,38 @@ def test_a_step_adapts_to_the_load_unless_deterministic(caller_threads, monkeypa
     monkeypatch.setattr(streaming, "_METER", Load(others=0.0))  # quiet: the caller's 2, split the same way
     lent.clear()
     assert _step(cfg, False, lent) == ((2, 2, 1), [1, ("finish", 2)]) and lent == [1, 2, 2]
+
+
+def test_a_marked_meter_looks_back_to_the_mark_without_waiting(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(threads.time, "sleep", slept.append)
+    assert threads.CpuMeter(quota=lambda: None).look() is not None
+    assert slept == [threads.SAMPLE_S]  # no window yet: a sample, waited for at the look
+    slept.clear()
+    meter = threads.CpuMeter(quota=lambda: None)
+    meter.mark()
+    end = time.monotonic() + threads.MIN_WINDOW_S + 0.05
+    while time.monotonic() < end:  # this process's own work: not taken for the others' load
+        pass
+    available, others = meter.look()
+    assert slept == []  # the window since the mark: nothing to wait for
+    assert 0.0 <= others <= len(meter.cpus) + 0.2 and available == pytest.approx(len(meter.cpus) - others)
+
+
+def test_a_run_marks_its_start_so_its_first_step_does_not_wait_for_a_sample(tiny_model, caller_threads,
+                                                                            monkeypatch, tmp_path):
+    from tether.pipeline.trainer import train
+
+    windows: list[bool] = []  # at each step's look: whether a window was open already
+
+    class Meter(threads.CpuMeter):
+        def look(self):
+            windows.append(self._last is not None)
+            return super().look()
+
+    monkeypatch.delenv("TETHER_THREADS", raising=False)
+    monkeypatch.setattr(streaming, "_METER", Meter())
+    (tmp_path / "cfg.yaml").write_text(SMALL_RUN)
+    cfg = load_config([tmp_path / "cfg.yaml"], ["trainer.total_steps=2"])
+    train(cfg, tmp_path / "run", model_dir=tiny_model, show_progress=False)
+    assert windows == [True, True]

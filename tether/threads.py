@@ -11,8 +11,9 @@ beside a busy process 204 s fixed, 26-31 s adaptive (1 thread).
 What is measured. The cores other processes kept busy over a window: the busy jiffies of this process's CPUs
 (``os.sched_getaffinity``) in ``/proc/stat`` (all but idle and iowait; steal counts as busy), less this process's
 own CPU time (``time.process_time``, every thread) over the same window. The window is the previous epoch or step:
-nothing to wait for, and this process's own threads (an async rollout's engine) are not taken for contention; when
-the last look is missing or over ``MAX_WINDOW_S`` old, ``SAMPLE_S`` is sampled now. Then
+nothing to wait for, and this process's own threads (an async rollout's engine) are not taken for contention; a
+training run marks its start (``CpuMeter.mark``), so its first step reads the window since then; when the last look
+is missing or over ``MAX_WINDOW_S`` old, ``SAMPLE_S`` is sampled now. Then
 
     available = min(len(affinity) − others, cgroup CPU quota)
     threads   = clamp(floor(available + 1/2), 1, ceiling)         (``decide``)
@@ -145,6 +146,12 @@ class CpuMeter:
         self.stat, self.quota = stat, quota
         self.cpus = _affinity()
         self._last: CpuReading | None = None
+
+    def mark(self) -> None:
+        """Start a window now without waiting: the next ``look`` reads the cores since this moment (a run marks its
+        start, so that its first step's look is not a fresh ``SAMPLE_S`` of waiting)."""
+        self.cpus = _affinity()
+        self._last = read_cpus(self.cpus, self.stat)
 
     def look(self) -> tuple[float, float] | None:
         """(cores available to this process, cores other processes kept busy), or None without ``/proc/stat``."""

@@ -120,6 +120,12 @@ def _trainable(produced: Produced) -> bool:
 _METER = CpuMeter()  # the steps' look at the load: its window is one step start to the next
 
 
+def mark_load() -> None:
+    """A run's start: the first step's look at the load reads the window since now (the run's set-up and first
+    evaluation) instead of sampling ``tether.threads.SAMPLE_S`` (0.2 s) at the step's start."""
+    _METER.mark()
+
+
 def split_threads(all_threads: int) -> int:
     """Torch threads for each of the two that compute at once (engine, learner worker): half of the step's."""
     return max(1, all_threads // 2)

@@ -25,7 +25,7 @@ from tether.pipeline.faults import fault
 from tether.pipeline.monitors import MonitorStop
 from tether.pipeline.preemption import Preempted, PreemptionGuard
 from tether.pipeline.shaping import no_signal_warning
-from tether.pipeline.streaming import StepUpdate
+from tether.pipeline.streaming import StepUpdate, mark_load
 from tether.warmstart.tiny_sft import ENVIRONMENT as TINY_SFT_ENVIRONMENT
 
 
@@ -46,6 +46,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, model_di
     tr, monitors = cfg.trainer, run.monitors
     tiny_sft_applies = cfg.environment.name == TINY_SFT_ENVIRONMENT  # the preset warm-starts that one only
     with run, PreemptionGuard() as stop:
+        mark_load()  # the first step's thread count from the load since now, not a 0.2 s sample at its start
         eval_before = run.eval(0) if run.start == 0 else {}
         if run.start == 0:
             run.recorder.flush(0)
